@@ -182,9 +182,12 @@ def assign_shards_greedy(
         The assignment; identical for any ordering of ``neighbours`` and of ``shard_sizes``.
 
     Raises:
-        ValueError: no neighbours while shards remain, duplicate ids, or a negative size.
+        ValueError: no neighbours while shards remain, duplicate ids, a negative size, or a
+            non-finite ``now``.
     """
     links = _sort_neighbours(neighbours)
+    if not math.isfinite(now):
+        raise ValueError(f"now must be finite, got {now!r}")
     if shard_sizes and not links:
         raise ValueError("no neighbour left to fetch the remaining shards from")
     if any(size < 0 for size in shard_sizes.values()):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -170,6 +172,17 @@ def test_no_shards_and_no_neighbours() -> None:
         assign_shards_greedy({0: 3}, [], now=0.0)
     with pytest.raises(ValueError, match="duplicate"):
         assign_shards_greedy({0: 3}, [link, link], now=0.0)
+    with pytest.raises(ValueError, match="now"):
+        assign_shards_greedy({0: 3}, [link], now=float("nan"))
+    with pytest.raises(ValueError, match="sizes"):
+        assign_shards_greedy({0: -3}, [link], now=0.0)
+
+
+def test_assignment_module_is_pure() -> None:
+    """DESIGN §2: the planning code loads no torch, so every peer can run it cheaply."""
+    code = "import sys, replication.assignment; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize(
