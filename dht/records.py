@@ -1,0 +1,263 @@
+"""Typed records that Murmuration keeps in the DHT, and their wire form (plain msgpack-able dicts).
+
+Every ``from_wire`` treats its input as hostile: it checks types, ranges and sizes and raises
+``ValueError`` with the reason. Keys:
+
+    murmuration.runs            dictionary; subkey "<run_id>" + owner key → RunSpec (the registry)
+    <run_id>.spec               dictionary; subkey = publisher's public key → RunSpec
+    <run_id>.peers              dictionary; subkey = the peer's public key → PeerRecord (heartbeat)
+
+Subkeys carry the owner's RSA public key, so hivemind's ``RSASignatureValidator`` signs each record
+and refuses a write under somebody else's key.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+RUNS_KEY = "murmuration.runs"
+PROTOCOL_VERSION = 1
+ROLES = ("reliable", "unreliable")
+PEER_STATES = ("joining", "syncing", "training", "leaving")
+MAX_STAGES = 64
+MAX_ADDRS = 16
+
+
+def spec_key(run_id: str) -> str:
+    return f"{run_id}.spec"
+
+
+def peers_key(run_id: str) -> str:
+    return f"{run_id}.peers"
+
+
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
+        raise ValueError(f"run id must be 1-64 letters, digits, '_' or '-', got {run_id!r}")
+    return run_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A GPT-style decoder: byte tokens in, next-byte logits out.
+
+    Attributes:
+        vocab_size: tokens in the vocabulary (256 for bytes).
+        d_model: width of the residual stream.
+        num_layers: transformer blocks in the whole model.
+        num_heads: attention heads per block; must divide ``d_model``.
+        seq_len: tokens per training sequence.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    seq_len: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
+                raise ValueError(f"model {name} must be an integer in [1, 2**20], got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads {self.num_heads} must divide d_model {self.d_model}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """Everything peers must agree on to train one model together.
+
+    Attributes:
+        run_id: the run's name; peers join a run by it.
+        model: the architecture.
+        stage_layers: per stage, the half-open range ``[start, end)`` of transformer blocks it holds.
+            Stage 0 also holds the embedding; the last stage the final norm and the output head.
+        optimizer: ``"adamw"``, the only one so far.
+        lr: learning rate of every stage's optimizer.
+        weight_decay: AdamW weight decay.
+        microbatch_size: sequences per microbatch (the unit that flows through the pipeline).
+        target_batch_size: samples a stage replica accumulates before each optimizer step.
+        averaging_period: seconds between in-stage averaging rounds.
+        dataset: ``"builtin:pydoc"`` (Python's own documentation, shipped with every CPython) or
+            ``"files:<sha256>"`` for the user's own text files, identified by their content hash.
+        seed: the seed of deterministic initialisation and of data order.
+        protocol_version: bumped when the wire protocol changes incompatibly.
+    """
+
+    run_id: str
+    model: ModelSpec = field(default_factory=ModelSpec)
+    stage_layers: tuple[tuple[int, int], ...] = ((0, 2), (2, 4))
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    microbatch_size: int = 16
+    target_batch_size: int = 64
+    averaging_period: float = 15.0
+    dataset: str = "builtin:pydoc"
+    seed: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        _check_stage_layers(self.stage_layers, self.model.num_layers)
+        if self.optimizer != "adamw":
+            raise ValueError(f"optimizer must be 'adamw', got {self.optimizer!r}")
+        _check_float("lr", self.lr, 0.0, 10.0, open_low=True)
+        _check_float("weight_decay", self.weight_decay, 0.0, 10.0)
+        _check_float("averaging_period", self.averaging_period, 1.0, 86400.0)
+        for name in ("microbatch_size", "target_batch_size", "seed", "protocol_version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 31:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.microbatch_size < 1 or self.target_batch_size < self.microbatch_size:
+            raise ValueError("need 1 <= microbatch_size <= target_batch_size")
+        if not isinstance(self.dataset, str) or not re.match(r"^(builtin:pydoc|files:[0-9a-f]{64})$", self.dataset):
+            raise ValueError(f"dataset must be 'builtin:pydoc' or 'files:<sha256>', got {self.dataset!r}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = asdict(self)
+        wire["stage_layers"] = [list(r) for r in self.stage_layers]
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> RunSpec:
+        if not isinstance(wire, dict):
+            raise ValueError(f"run spec must be a map, got {type(wire).__name__}")
+        fields = dict(wire)
+        model = fields.pop("model", None)
+        if not isinstance(model, dict):
+            raise ValueError("run spec has no model map")
+        layers = fields.pop("stage_layers", None)
+        if not isinstance(layers, (list, tuple)) or len(layers) > MAX_STAGES:
+            raise ValueError("run spec stage_layers must be a list of at most 64 ranges")
+        try:
+            return cls(
+                model=ModelSpec(**model),
+                stage_layers=tuple(tuple(r) for r in layers),
+                **fields,
+            )
+        except TypeError as e:  # unknown or missing field names
+            raise ValueError(f"run spec has wrong fields: {e}") from None
+
+    def describe(self) -> str:
+        m = self.model
+        return (
+            f"run {self.run_id}: GPT d_model={m.d_model} layers={m.num_layers} heads={m.num_heads} "
+            f"seq_len={m.seq_len}, {self.num_stages} stages {list(self.stage_layers)}, "
+            f"dataset {self.dataset}, seed {self.seed}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerRecord:
+    """A peer's heartbeat: who it is, where it trains, how fast, how far it got.
+
+    Attributes:
+        peer_id: the libp2p peer id (base58).
+        role: "reliable" (committed; hosts averaging) or "unreliable" (may vanish; client mode).
+        state: "joining" (has announced intent), "syncing" (downloading state), "training",
+            "leaving".
+        stage: the stage it serves, or -1 while joining.
+        flops: measured compute, FLOP/s (what the planner uses to place joiners).
+        samples_per_s: samples/s it actually processed recently (0 until it has trained).
+        num_samples: samples it has processed since it joined.
+        version: its local optimizer step count.
+        loss: its most recent loss (last stage) or the loss it was sent back (stage 0), else NaN.
+        announced_at: DHT time at which it announced itself; orders concurrent joiners.
+        maddrs: multiaddrs where it listens.
+        params_digest: hash of its stage parameters after its latest averaging round ("" if none).
+        averaged_at: scheduled DHT time of that round (0 if none).
+    """
+
+    peer_id: str
+    role: str
+    state: str
+    stage: int
+    flops: float
+    samples_per_s: float = 0.0
+    num_samples: int = 0
+    version: int = 0
+    loss: float = math.nan
+    announced_at: float = 0.0
+    maddrs: tuple[str, ...] = ()
+    params_digest: str = ""
+    averaged_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, str) or not 1 <= len(self.peer_id) <= 128:
+            raise ValueError("peer_id must be a string of 1-128 characters")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.state not in PEER_STATES:
+            raise ValueError(f"state must be one of {PEER_STATES}, got {self.state!r}")
+        if not isinstance(self.stage, int) or not -1 <= self.stage < MAX_STAGES:
+            raise ValueError(f"stage must be an integer in [-1, {MAX_STAGES}), got {self.stage!r}")
+        _check_float("flops", self.flops, 0.0, 1e18)
+        _check_float("samples_per_s", self.samples_per_s, 0.0, 1e9)
+        _check_float("announced_at", self.announced_at, 0.0, 1e11)
+        _check_float("averaged_at", self.averaged_at, 0.0, 1e11)
+        if not isinstance(self.loss, (int, float)):
+            raise ValueError("loss must be a number")
+        for name in ("num_samples", "version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
+                raise ValueError(f"{name} must be a non-negative integer")
+        if len(self.maddrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in self.maddrs):
+            raise ValueError("maddrs must be at most 16 strings")
+        if not isinstance(self.params_digest, str) or len(self.params_digest) > 128:
+            raise ValueError("params_digest must be a short string")
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = asdict(self)
+        wire["maddrs"] = list(self.maddrs)
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> PeerRecord:
+        if not isinstance(wire, dict):
+            raise ValueError(f"peer record must be a map, got {type(wire).__name__}")
+        fields = dict(wire)
+        fields["maddrs"] = tuple(fields.get("maddrs", ()) or ())
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise ValueError(f"peer record has wrong fields: {e}") from None
+
+
+def _check_stage_layers(stage_layers: Any, num_layers: int) -> None:
+    if not stage_layers or len(stage_layers) > MAX_STAGES:
+        raise ValueError(f"a run has 1-{MAX_STAGES} stages")
+    expected_start = 0
+    for k, layer_range in enumerate(stage_layers):
+        if len(layer_range) != 2 or not all(isinstance(x, int) for x in layer_range):
+            raise ValueError(f"stage {k} layer range must be two integers, got {layer_range!r}")
+        start, end = layer_range
+        if start != expected_start or end <= start:
+            raise ValueError(f"stage layer ranges must tile [0, {num_layers}) in order, got {list(stage_layers)}")
+        expected_start = end
+    if expected_start != num_layers:
+        raise ValueError(f"stage layer ranges must cover all {num_layers} layers, got {list(stage_layers)}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float, *, open_low: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < low or value > high or (open_low and value == low):
+        raise ValueError(f"{name} must be in {'(' if open_low else '['}{low}, {high}], got {value!r}")
+
+
+def even_stage_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Split ``num_layers`` blocks into ``num_stages`` contiguous ranges, sizes differing by at most 1."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"need 1 <= num_stages ({num_stages}) <= num_layers ({num_layers})")
+    bounds = [round(k * num_layers / num_stages) for k in range(num_stages + 1)]
+    return tuple((bounds[k], bounds[k + 1]) for k in range(num_stages))

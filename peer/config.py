@@ -1,0 +1,108 @@
+"""Configuration of a peer and of a bootstrap node: frozen dataclasses that validate themselves.
+
+The command lines of ``run_peer.py`` and ``run_bootstrap.py`` are derived from these fields
+(:mod:`peer.cli`), so the help text below is the ``--help`` text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dht.records import check_run_id
+
+DEFAULT_HOST_MADDR = "/ip4/0.0.0.0/tcp/0"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """Volunteer peer: join a run through a bootstrap node and train one stage of its model."""
+
+    bootstrap: tuple[str, ...] = field(default=(), metadata=_help("multiaddr(s) of bootstrap or any live peer; give several for redundancy"))
+    run_id: str = field(default="demo", metadata=_help("name of the run to join"))
+    role: str = field(default="auto", metadata=_help("reliable (committed, hosts averaging), unreliable (may vanish; averages in client mode) or auto (reliable unless --client-mode)"))
+    client_mode: bool = field(default=False, metadata=_help("accept no incoming DHT/averaging connections (behind NAT without relay)"))
+    host_maddrs: tuple[str, ...] = field(default=(DEFAULT_HOST_MADDR,), metadata=_help("addresses to listen on"))
+    announce_maddrs: tuple[str, ...] = field(default=(), metadata=_help("addresses to announce, if others must reach you at a different address (port forwarding)"))
+    identity_path: str | None = field(default=None, metadata=_help("file keeping this peer's identity across restarts (created if missing)"))
+    stage: int = field(default=-1, metadata=_help("serve this stage instead of negotiating one (-1: negotiate)"))
+    device: str = field(default="auto", metadata=_help("torch device: auto (CUDA if present), cpu, cuda, cuda:N"))
+    num_threads: int = field(default=0, metadata=_help("CPU threads for torch (0: torch's default)"))
+    data: tuple[str, ...] = field(default=(), metadata=_help("text files to train on, when the run was published with --data"))
+    max_memory_mb: float = field(default=0.0, metadata=_help("memory this peer may use for its stage, MiB (0: what the machine has available)"))
+    max_in_flight: int = field(default=4, metadata=_help("microbatches a stage-0 peer keeps in the pipeline at once; raise for deeper pipelines"))
+    join_timeout: float = field(default=30.0, metadata=_help("seconds to reach the swarm and find the run before giving up"))
+    settle_delay: float = field(default=1.5, metadata=_help("seconds a joiner waits for other joiners' intents before choosing a stage"))
+    heartbeat_period: float = field(default=1.0, metadata=_help("seconds between heartbeats in the DHT"))
+    heartbeat_ttl: float = field(default=6.0, metadata=_help("seconds a heartbeat stays valid; a silent peer is dropped after this"))
+    request_timeout: float = field(default=60.0, metadata=_help("deadline of one pipeline request, seconds"))
+    max_payload_mb: float = field(default=512.0, metadata=_help("largest message this peer accepts, MiB"))
+    run_for: float = field(default=0.0, metadata=_help("leave after this many seconds of training (0: until Ctrl+C)"))
+    metrics_file: str | None = field(default=None, metadata=_help("append one JSON line per event (microbatch, averaging round, status) to this file"))
+    status_period: float = field(default=5.0, metadata=_help("seconds between status lines in the log"))
+    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap:
+            raise ValueError("give at least one --bootstrap multiaddr (printed by run_bootstrap.py)")
+        check_run_id(self.run_id)
+        if self.role not in ("auto", "reliable", "unreliable"):
+            raise ValueError(f"--role must be auto, reliable or unreliable, got {self.role!r}")
+        if self.role == "reliable" and self.client_mode:
+            raise ValueError("a reliable peer must accept connections: drop --client-mode or use --role unreliable")
+        if self.stage < -1:
+            raise ValueError("--stage must be -1 (negotiate) or a stage index")
+        if self.num_threads < 0 or self.max_in_flight < 1:
+            raise ValueError("--num-threads must be >= 0 and --max-in-flight >= 1")
+        for name in ("join_timeout", "heartbeat_period", "heartbeat_ttl", "request_timeout", "max_payload_mb", "status_period"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
+        if self.heartbeat_ttl <= 2 * self.heartbeat_period:
+            raise ValueError("--heartbeat-ttl must exceed two heartbeat periods, or live peers would flicker")
+        if self.max_memory_mb < 0 or self.run_for < 0 or self.settle_delay < 0:
+            raise ValueError("--max-memory-mb, --run-for and --settle-delay must be >= 0")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError("--log-level must be DEBUG, INFO, WARNING or ERROR")
+
+    @property
+    def resolved_role(self) -> str:
+        if self.role == "auto":
+            return "unreliable" if self.client_mode else "reliable"
+        return self.role
+
+
+@dataclass(frozen=True, kw_only=True)
+class BootstrapConfig:
+    """Bootstrap node: start a swarm, publish the run spec (signed), and serve until stopped."""
+
+    host_maddrs: tuple[str, ...] = field(default=(DEFAULT_HOST_MADDR,), metadata=_help("addresses to listen on; fix a port to keep the multiaddr stable (e.g. /ip4/0.0.0.0/tcp/31337)"))
+    announce_maddrs: tuple[str, ...] = field(default=(), metadata=_help("addresses to announce when peers reach you at a different address"))
+    identity_path: str | None = field(default=None, metadata=_help("file keeping the peer id (and so the multiaddr) across restarts (created if missing)"))
+    initial_peers: tuple[str, ...] = field(default=(), metadata=_help("other bootstrap nodes of the same swarm to connect to"))
+    maddrs_file: str | None = field(default=None, metadata=_help("also write the multiaddrs to this file, one per line"))
+    run_id: str = field(default="demo", metadata=_help("name of the run to publish"))
+    d_model: int = field(default=128, metadata=_help("model width"))
+    num_layers: int = field(default=4, metadata=_help("transformer blocks"))
+    num_heads: int = field(default=4, metadata=_help("attention heads per block"))
+    seq_len: int = field(default=64, metadata=_help("tokens per sequence"))
+    num_stages: int = field(default=2, metadata=_help("pipeline stages; blocks are split evenly"))
+    lr: float = field(default=3e-3, metadata=_help("AdamW learning rate"))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
+    microbatch_size: int = field(default=16, metadata=_help("sequences per microbatch"))
+    target_batch_size: int = field(default=64, metadata=_help("samples a stage replica accumulates per optimizer step"))
+    averaging_period: float = field(default=15.0, metadata=_help("seconds between in-stage averaging rounds"))
+    seed: int = field(default=0, metadata=_help("seed of initialisation and data order"))
+    data: tuple[str, ...] = field(default=(), metadata=_help("text files to train on (default: Python's built-in documentation)"))
+    spec_refresh_period: float = field(default=60.0, metadata=_help("seconds between re-publications of the run spec"))
+    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.spec_refresh_period <= 0:
+            raise ValueError("--spec-refresh-period must be positive")
+        if not 1 <= self.num_stages <= self.num_layers:
+            raise ValueError(f"--num-stages must be between 1 and --num-layers ({self.num_layers})")

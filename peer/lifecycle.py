@@ -1,0 +1,245 @@
+"""A peer's life: join → measure → negotiate a stage → obtain its state → train → leave.
+
+The composition root: the only place that wires the DHT, the stage, its server, the router, the
+averager and the trainer together (DESIGN §1 steps 1–4, 6 and 9).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+
+import torch
+
+from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
+from dht.records import PeerRecord, RunSpec
+from dht.registry import declare_peer, dht_time
+from peer.config import PeerConfig
+from peer.errors import UserError
+from peer.join import download_stage_state, fetch_spec, negotiate_stage
+from peer.metrics import MetricsLog
+from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
+from swarm.averaging import StageAverager
+from swarm.data import DataError, TokenSampler, data_seed, load_corpus
+from swarm.model import stage_flops_per_sample
+from swarm.router import Router
+from swarm.stage import Stage
+from swarm.stage_server import StageServer
+from swarm.trainer import Trainer
+from swarm.view import SwarmView
+
+logger = logging.getLogger(__name__)
+MIB = 2**20
+LEAVE_TIMEOUT = 10.0
+
+
+class Peer:
+    """One volunteer peer. ``await peer.run(stop)`` trains until ``stop`` is set, then leaves."""
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        self.role = config.resolved_role
+        self.metrics = MetricsLog(config.metrics_file)
+        self.dht = self.validator = self.p2p = None
+        self.spec: RunSpec | None = None
+        self.stage: Stage | None = None
+        self.view: SwarmView | None = None
+        self.server: StageServer | None = None
+        self.averager: StageAverager | None = None
+        self.trainer: Trainer | None = None
+        self.peer_id = ""
+        self.state = "joining"
+        self.flops = 0.0
+        self.announced_at = 0.0
+        self.averaged = (0.0, "")
+        self._tasks: list[asyncio.Task] = []
+
+    def log_prefix(self) -> str:
+        stage = f" stage {self.stage.index} step {self.stage.version}" if self.stage else ""
+        return f"[peer {self.peer_id[-6:] or '......'}{stage}] "
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self._join()
+            await self._train(stop)
+        finally:
+            await self._leave()
+
+    async def _join(self) -> None:
+        config = self.config
+        node_config = DHTNodeConfig(initial_peers=config.bootstrap, host_maddrs=config.host_maddrs,
+                                    announce_maddrs=config.announce_maddrs, identity_path=config.identity_path,
+                                    client_mode=config.client_mode, start_timeout=config.join_timeout)
+        try:
+            self.dht, self.validator = await asyncio.to_thread(open_dht, node_config)
+        except BootstrapError as e:
+            raise UserError(f"Cannot reach the swarm: {e}; check that the bootstrap is running and its multiaddr is right.") from e
+        self.peer_id = self.dht.peer_id.to_base58()
+        logger.info(f"joined the DHT as {self.peer_id} ({self.role})")
+        self.spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout)
+        logger.info(f"run spec: {self.spec.describe()}")
+        device = resolve_device(config.device)
+        self.flops = await asyncio.to_thread(measure_flops, self.spec, device)
+        logger.info(f"measured {self.flops / 1e9:.2f} GFLOP/s on {device}")
+        self.view = SwarmView(self.dht, self.spec.run_id)
+        self.announced_at = dht_time()
+        stage_index = config.stage
+        if stage_index >= self.spec.num_stages:
+            raise UserError(f"--stage {stage_index} does not exist: run {self.spec.run_id} has {self.spec.num_stages} stages (0-{self.spec.num_stages - 1}).")
+        if stage_index < 0:
+            await self._heartbeat_once(stage=-1)
+            stage_index = await negotiate_stage(self.view, self.spec, self.peer_id,
+                                                settle_delay=config.settle_delay, timeout=config.join_timeout)
+        self._check_memory(stage_index, device)
+        self.stage = Stage(self.spec, stage_index, device=device)
+        self.state = "syncing"
+        logger.info(f"chose stage {stage_index} of {self.spec.num_stages} (layers {list(self.spec.stage_layers[stage_index])})")
+        await self._heartbeat_once()
+        self.p2p = await self.dht.replicate_p2p()
+        await self._obtain_state()
+
+    def _check_memory(self, stage_index: int, device: torch.device) -> None:
+        needed = stage_memory_bytes(self.spec, stage_index, max_in_flight=self.config.max_in_flight)
+        budget = self.config.max_memory_mb * MIB if self.config.max_memory_mb else available_memory_bytes(device)
+        if needed > budget:
+            source = "--max-memory-mb allows" if self.config.max_memory_mb else f"{device} has available"
+            raise UserError(
+                f"Stage {stage_index} needs about {needed / MIB:.0f} MiB but this peer's budget ({source}) is "
+                f"{budget / MIB:.0f} MiB; raise --max-memory-mb, free memory, or lower --max-in-flight.", exit_code=3)
+
+    async def _obtain_state(self) -> None:
+        await self.view.refresh()
+        holders = [r for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id]
+        if not holders:
+            logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
+            return
+        donor = await download_stage_state(self.p2p, self.stage, holders, timeout=self.config.request_timeout,
+                                           max_payload_bytes=int(self.config.max_payload_mb * MIB))
+        if donor is None:
+            raise RuntimeError(f"stage {self.stage.index} has {len(holders)} holders but none served its state")
+        self.metrics.write("state_download", donor=donor.peer_id, version=self.stage.version)
+
+    async def _train(self, stop: asyncio.Event) -> None:
+        config, spec, stage = self.config, self.spec, self.stage
+        max_payload = int(config.max_payload_mb * MIB)
+        router = None
+        if not stage.is_last:
+            router = Router(self.p2p, self.view, run_id=spec.run_id, next_stage=stage.index + 1,
+                            next_stage_flops=stage_flops_per_sample(spec, stage.index + 1),
+                            request_timeout=config.request_timeout, max_payload_bytes=max_payload,
+                            rng=random.Random(f"{spec.seed}:{self.peer_id}"))
+        self.server = StageServer(self.p2p, stage, peer_id=self.peer_id, router=router,
+                                  request_timeout=config.request_timeout, max_payload_bytes=max_payload,
+                                  on_microbatch=self._on_microbatch)
+        await self.server.start()
+        self.averager = StageAverager(stage, self.dht, self.view, client_mode=self.role == "unreliable" or config.client_mode,
+                                      on_round=self._on_round)
+        self.view.start()
+        self.state = "training"
+        await self._heartbeat_once()
+        logger.info("training")
+        train_stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+            ("heartbeat", self._heartbeat_loop(train_stop)),
+            ("averaging", self.averager.run(train_stop)),
+            ("status", self._status_loop(train_stop)),
+        )]
+        if stage.is_first:
+            self.trainer = Trainer(stage, self._make_sampler(), router, peer_id=self.peer_id,
+                                   max_in_flight=config.max_in_flight, on_microbatch=self._on_microbatch)
+            self._tasks.append(asyncio.create_task(self.trainer.run(train_stop), name="trainer"))
+        await self._wait_stop(stop)
+        train_stop.set()
+
+    def _make_sampler(self) -> TokenSampler:
+        try:
+            corpus = load_corpus(self.spec.dataset, self.config.data)
+        except DataError as e:
+            raise UserError(f"Cannot load the training data: {e}.") from e
+        return TokenSampler(corpus, seq_len=self.spec.model.seq_len, seed=data_seed(self.spec.seed, self.peer_id))
+
+    async def _wait_stop(self, stop: asyncio.Event) -> None:
+        timeout = self.config.run_for or None
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([waiter, *self._tasks], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        for task in done:
+            if task is not waiter and task.exception() is not None:
+                raise task.exception()
+
+    async def _leave(self) -> None:
+        """Announce the leave, let in-flight microbatches finish, then release everything."""
+        if self.stage is not None and self.dht is not None:
+            self.state = "leaving"
+            logger.info("leaving")
+            if self.server is not None:
+                self.server.stop_accepting()
+            try:
+                await asyncio.wait_for(self._heartbeat_once(), timeout=2.0)
+            except Exception as e:
+                logger.debug(f"could not announce the leave: {e!r}")
+        for task in self._tasks:
+            if task.get_name() != "trainer":
+                task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=LEAVE_TIMEOUT)  # the trainer finishes its in-flight work
+            for task in self._tasks:
+                task.cancel()
+        for closer in (self.averager and self.averager.shutdown, self.stage and self.stage.shutdown):
+            if closer:
+                closer()
+        if self.view is not None:
+            await self.view.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+        self.metrics.close()
+
+    def _record(self, stage: int | None = None) -> PeerRecord:
+        counters = self.stage.counters if self.stage else None
+        return PeerRecord(
+            peer_id=self.peer_id, role=self.role, state=self.state,
+            stage=stage if stage is not None else self.stage.index, flops=self.flops,
+            samples_per_s=counters.samples_per_s if counters else 0.0,
+            num_samples=counters.num_samples if counters else 0,
+            version=self.stage.version if self.stage else 0,
+            loss=counters.last_loss if counters else math.nan, announced_at=self.announced_at,
+            maddrs=tuple(visible_maddrs(self.dht)[:4]), params_digest=self.averaged[1], averaged_at=self.averaged[0],
+        )
+
+    async def _heartbeat_once(self, stage: int | None = None) -> None:
+        await declare_peer(self.dht, self.validator, self.config.run_id, self._record(stage), ttl=self.config.heartbeat_ttl)
+
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(self._heartbeat_once(), timeout=self.config.heartbeat_ttl / 2)
+            except Exception as e:
+                logger.warning(f"heartbeat failed: {e!r}")
+            elapsed = time.monotonic() - started
+            if elapsed > self.config.heartbeat_period:
+                logger.warning(f"heartbeat took {elapsed:.2f}s, longer than its {self.config.heartbeat_period}s period")
+            await asyncio.sleep(self.config.heartbeat_period * random.uniform(0.8, 1.2))
+
+    async def _status_loop(self, stop: asyncio.Event) -> None:
+        last_samples, last_time = 0, time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(self.config.status_period)
+            counters, now = self.stage.counters, time.monotonic()
+            tokens_per_s = (counters.num_samples - last_samples) * self.spec.model.seq_len / (now - last_time)
+            last_samples, last_time = counters.num_samples, now
+            per_stage = [len(self.view.members(k)) for k in range(self.spec.num_stages)]
+            logger.info(f"loss {counters.last_loss:.3f} | {tokens_per_s:,.0f} tok/s | {counters.num_samples} samples "
+                        f"| peers per stage {per_stage}")
+            self.metrics.write("status", stage=self.stage.index, step=self.stage.version, loss=counters.last_loss,
+                               tokens_per_s=tokens_per_s, samples=counters.num_samples, peers_per_stage=per_stage)
+
+    def _on_microbatch(self, event: dict) -> None:
+        self.metrics.write("microbatch", stage=self.stage.index, **event)
+
+    def _on_round(self, at: float, group_size: int, digest: str) -> None:
+        self.averaged = (at, digest)
+        self.metrics.write("averaged", stage=self.stage.index, at=at, group_size=group_size, digest=digest)

@@ -1,0 +1,34 @@
+"""Log set-up for the entry scripts: one handler, a per-peer prefix that follows the peer's state."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+FORMAT = "%(asctime)s %(levelname).1s %(prefix)s%(message)s"
+
+
+class _PrefixFilter(logging.Filter):
+    def __init__(self, prefix: Callable[[], str]) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.prefix = self.prefix()
+        return True
+
+
+def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> None:
+    """Send our logs to stderr as ``time L [peer 3fa9c1 stage 1 step 40] message``.
+
+    hivemind's own handler is kept for its modules but turned down to warnings, so the peer's
+    state transitions stand out.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+    handler.addFilter(_PrefixFilter(prefix))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("hivemind").setLevel(logging.WARNING)

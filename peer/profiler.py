@@ -1,0 +1,75 @@
+"""Measuring this peer: compute throughput on its device, and the memory a stage would need.
+
+Throughput is measured, not declared: one transformer block of the run's shape is timed forward
+and backward on a microbatch (after a warm-up), and FLOP/s = the block's FLOPs (the cost model of
+:func:`swarm.model.stage_flops_per_sample`) / the median time. That figure is what the planner
+uses to place the peer (seed 002 §3.2, seed 001 §3.3 profile compute the same way).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from dht.records import ModelSpec, RunSpec
+from swarm.model import Block, stage_num_params
+
+BYTES_PER_PARAM_TRAINING = 4 * 4  # float32 weight, gradient, and AdamW's two moments
+ACTIVATION_FACTOR = 20  # saved activations per block per token, in units of d_model floats
+FIXED_OVERHEAD_BYTES = 600 * 2**20  # interpreter, torch, hivemind, p2pd
+
+
+def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 5) -> float:
+    """FLOP/s of forward+backward of one block of the run's model on ``device``."""
+    model: ModelSpec = spec.model
+    block = Block(model).to(device)
+    x = torch.randn(spec.microbatch_size, model.seq_len, model.d_model, device=device, requires_grad=True)
+    d, seq_len = model.d_model, model.seq_len
+    # the block term of stage_flops_per_sample: 6 FLOPs per weight per token plus attention
+    flops = (6 * 12 * d * d + 12 * seq_len * d) * seq_len * spec.microbatch_size
+    times = []
+    for trial in range(num_trials + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        block(x).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if trial:  # the first run warms up kernels and allocator
+            times.append(time.perf_counter() - started)
+    return flops / max(statistics.median(times), 1e-9)
+
+
+def stage_memory_bytes(spec: RunSpec, stage: int, *, max_in_flight: int) -> int:
+    """Bytes a peer needs to train ``stage``: parameters with optimizer state, activations, overhead."""
+    model = spec.model
+    start, end = spec.stage_layers[stage]
+    params = stage_num_params(spec, stage) * BYTES_PER_PARAM_TRAINING
+    tokens_in_flight = max_in_flight * spec.microbatch_size * model.seq_len
+    activations = tokens_in_flight * (end - start) * ACTIVATION_FACTOR * model.d_model * 4
+    if stage == spec.num_stages - 1:
+        activations += tokens_in_flight * model.vocab_size * 4 * 3  # logits, softmax and its gradient
+    return params + activations + FIXED_OVERHEAD_BYTES
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device: MemAvailable for CPU, free VRAM for CUDA."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available memory from /proc/meminfo")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no usable CUDA device; use --device cpu")
+    return device

@@ -1,0 +1,42 @@
+"""Host a bootstrap node: start the swarm's DHT, publish the run spec, print the multiaddrs to share."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from peer.cli import add_dataclass_arguments, dataclass_from_args
+from peer.config import BootstrapConfig
+from peer.entry import run_until_signalled
+from peer.logs import configure_logging
+
+logger = logging.getLogger("run_bootstrap")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=BootstrapConfig.__doc__)
+    add_dataclass_arguments(parser, BootstrapConfig)
+    args = parser.parse_args(argv)
+    try:
+        config = dataclass_from_args(BootstrapConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+    configure_logging(config.log_level, lambda: "[bootstrap] ")
+    from peer.bootstrap import BootstrapNode  # heavy imports after argument parsing: --help stays fast
+
+    async def serve(stop: asyncio.Event) -> None:
+        with BootstrapNode(config) as node:
+            maddrs = await asyncio.to_thread(node.start)
+            logger.info(node.spec.describe())
+            print("Bootstrap node is up. Peers join with:", flush=True)
+            for maddr in maddrs:
+                print(f"  python run_peer.py --bootstrap {maddr} --run-id {config.run_id}", flush=True)
+            await node.serve(stop)
+
+    return run_until_signalled(serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Run a volunteer peer: join the swarm, choose a stage, train it, leave cleanly on Ctrl+C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from peer.cli import add_dataclass_arguments, dataclass_from_args
+from peer.config import PeerConfig
+from peer.entry import run_until_signalled
+from peer.logs import configure_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=PeerConfig.__doc__)
+    add_dataclass_arguments(parser, PeerConfig)
+    args = parser.parse_args(argv)
+    try:
+        config = dataclass_from_args(PeerConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+    from peer.lifecycle import Peer  # heavy imports after argument parsing: --help stays fast
+
+    peer = Peer(config)
+    configure_logging(config.log_level, peer.log_prefix)
+    if config.num_threads:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
+
+    async def serve(stop: asyncio.Event) -> None:
+        await peer.run(stop)
+
+    return run_until_signalled(serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

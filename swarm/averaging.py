@@ -1,0 +1,119 @@
+"""In-stage data parallelism: replicas of a stage average their parameters every period.
+
+Rounds are aligned to the DHT clock: every replica of stage k schedules its round at the next
+multiple of ``averaging_period``, so all of them look for a group at the same moment without
+anyone coordinating. Matchmaking runs in the background (hivemind's ``DecentralizedAverager`` with
+``require_trigger``) while the stage keeps training; only at the scheduled time does the stage
+pause (drain its in-flight microbatches), copy its parameters in, trigger the all-reduce, and copy
+the average back. After a round every member of the group holds bit-identical parameters.
+Unreliable peers take part in client mode: they send and receive but host no part of the reduce.
+Averager keys are ``<run_id>_stage<k>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+
+import hivemind
+import torch
+
+from dht.registry import dht_time
+from swarm.stage import Stage
+from swarm.view import SwarmView
+
+logger = logging.getLogger(__name__)
+PREPARE_AHEAD = 1.0
+
+
+class StageAverager:
+    """Runs periodic averaging rounds of one stage's parameters with its other replicas."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        dht: hivemind.DHT,
+        view: SwarmView,
+        *,
+        client_mode: bool,
+        matchmaking_time: float = 2.0,
+        allreduce_timeout: float = 15.0,
+        on_round: Callable[[float, int, str], None] = lambda at, size, digest: None,
+    ) -> None:
+        self.stage, self.dht, self.view = stage, dht, view
+        self.period = stage.spec.averaging_period
+        self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
+        self.on_round = on_round
+        self.num_rounds = self.num_failed_rounds = 0
+        params = [p.detach().cpu().clone() for p in stage.model.parameters()]
+        self.averager = hivemind.DecentralizedAverager(
+            params, dht, start=True, prefix=f"{stage.spec.run_id}_stage{stage.index}",
+            target_group_size=None, min_group_size=2, min_matchmaking_time=matchmaking_time,
+            request_timeout=min(1.0, matchmaking_time / 2), allreduce_timeout=allreduce_timeout,
+            client_mode=client_mode, allow_state_sharing=False,
+        )
+
+    def next_round_time(self, now: float) -> float:
+        """The next multiple of the period far enough ahead to finish matchmaking first."""
+        at = math.ceil(now / self.period) * self.period
+        return at if at - now >= self.matchmaking_time + PREPARE_AHEAD else at + self.period
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            at = self.next_round_time(dht_time())
+            await _sleep_until(at - self.matchmaking_time - PREPARE_AHEAD, stop)
+            if stop.is_set():
+                return
+            if len(self.view.members(self.stage.index)) < 2:
+                continue  # alone in the stage: nobody to average with this round
+            await self.run_round(at, stop)
+
+    async def run_round(self, at: float, stop: asyncio.Event) -> bool:
+        control = self.averager.step(scheduled_time=at, require_trigger=True, wait=False,
+                                     timeout=self.matchmaking_time + PREPARE_AHEAD + 2.0, allow_retries=False)
+        await _sleep_until(at, stop)
+        if stop.is_set() or control.done():  # leaving, or no group was found
+            control.cancel()
+            self.num_failed_rounds += 1
+            return False
+        async with self.stage.paused():
+            await self.stage.run(self._copy_in)
+            control.allow_allreduce()
+            try:
+                group = await asyncio.wait_for(asyncio.wrap_future(control), timeout=self.allreduce_timeout + 5)
+            except Exception as e:
+                logger.info(f"averaging round at {at:.0f} failed: {e!r}")
+                group = None
+            if not group:
+                self.num_failed_rounds += 1
+                return False
+            digest = await self.stage.run(self._copy_out_and_digest)
+        self.num_rounds += 1
+        logger.info(f"averaged stage {self.stage.index} with {len(group)} replicas (round at {at:.0f}, params {digest})")
+        self.on_round(at, len(group), digest)
+        return True
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+
+    def _copy_in(self) -> None:
+        with self.averager.get_tensors() as tensors, torch.no_grad():
+            for tensor, param in zip(tensors, self.stage.model.parameters()):
+                tensor.copy_(param.detach().cpu())
+
+    def _copy_out_and_digest(self) -> str:
+        with self.averager.get_tensors() as tensors, torch.no_grad():
+            for tensor, param in zip(tensors, self.stage.model.parameters()):
+                param.copy_(tensor.to(param.device))
+        return self.stage.params_digest()
+
+
+async def _sleep_until(deadline: float, stop: asyncio.Event) -> None:
+    delay = deadline - dht_time()
+    if delay > 0:
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+        except asyncio.TimeoutError:
+            pass

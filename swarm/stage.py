@@ -1,0 +1,264 @@
+"""One pipeline stage's parameters, optimizer and compute: forward, backward, step.
+
+All torch work of a stage runs on one dedicated thread, so the event loop stays free for network
+I/O and compute never interleaves with itself. A microbatch's forward keeps its autograd graph
+until the gradient of its output comes back (the "backward retraces the route"); the optimizer
+step and in-stage averaging modify parameters in place, which would corrupt those graphs, so both
+run inside :meth:`Stage.paused`: new forwards wait at a gate, in-flight microbatches finish their
+backward, then the parameters change. Draining is deadlock-free because a stage waits only for
+stages *downstream* of it, never upstream.
+
+Gradients of a microbatch are accumulated as they arrive; after ``target_batch_size`` samples the
+stage divides by the number of microbatches, clips, and steps (delayed update per replica,
+seed 000 "Aggregation process"; replicas of a stage are averaged separately by
+:mod:`swarm.averaging`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from dht.records import RunSpec
+from swarm.model import StageModel, next_token_loss
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+GRAD_CLIP_NORM = 1.0
+
+
+@dataclass
+class StageCounters:
+    """What the stage has done since the peer started (read by heartbeats and the dashboard)."""
+
+    num_samples: int = 0
+    num_microbatches: int = 0
+    num_steps: int = 0
+    last_loss: float = math.nan
+    samples_per_s: float = 0.0
+    _window_start: float = 0.0
+    _window_samples: int = 0
+
+    def add_samples(self, count: int, now: float) -> None:
+        self.num_samples += count
+        self.num_microbatches += 1
+        if self._window_start == 0.0:
+            self._window_start = now
+        self._window_samples += count
+        elapsed = now - self._window_start
+        if elapsed >= 5.0:  # refresh the rate every 5 s of wall time
+            self.samples_per_s = self._window_samples / elapsed
+            self._window_start, self._window_samples = now, 0
+
+
+class Stage:
+    """A stage replica: parameters, optimizer, pending graphs and the drain gate."""
+
+    def __init__(self, spec: RunSpec, stage: int, *, device: torch.device) -> None:
+        self.spec = spec
+        self.index = stage
+        self.device = device
+        self.model = StageModel(spec, stage).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+        self.counters = StageCounters()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
+        self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._idle = asyncio.Condition()
+        self._num_pending = 0
+        self._accumulated_microbatches = 0
+        self._accumulated_samples = 0
+        self._step_task: asyncio.Task | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken: the weight version each microbatch records for this hop."""
+        return self.counters.num_steps
+
+    def input_shape(self, batch_size: int) -> tuple[int, ...]:
+        seq_len = self.spec.model.seq_len
+        return (batch_size, seq_len) if self.is_first else (batch_size, seq_len, self.spec.model.d_model)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the stage's compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def forward(self, mb_id: str, inputs: torch.Tensor) -> torch.Tensor:
+        """Forward of a first or middle stage; keeps the graph until :meth:`backward` or :meth:`drop`."""
+        if mb_id in self._graphs:
+            raise ValueError(f"microbatch {mb_id} is already in flight here")
+        await self._enter()
+        try:
+            outputs = await self.run(self._forward_sync, mb_id, inputs)
+        except BaseException:
+            await self._leave()
+            raise
+        return outputs
+
+    async def backward(self, mb_id: str, grad_outputs: torch.Tensor) -> torch.Tensor | None:
+        """Backward of a held graph; returns the gradient w.r.t. the inputs (None on stage 0)."""
+        if mb_id not in self._graphs:
+            raise ValueError(f"no graph held for microbatch {mb_id}")
+        try:
+            return await self.run(self._backward_sync, mb_id, grad_outputs)
+        finally:
+            await self._leave()
+
+    async def drop(self, mb_id: str) -> None:
+        """Release a held graph whose microbatch will not come back (its gradient is discarded)."""
+        if self._graphs.pop(mb_id, None) is not None:
+            await self._leave()
+
+    async def forward_loss_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Last stage: forward, loss, backward in one go; returns the loss and the input gradient."""
+        await self._enter()
+        try:
+            return await self.run(self._forward_loss_backward_sync, inputs, targets)
+        finally:
+            await self._leave()
+
+    def record_microbatch(self, batch_size: int, loss: float | None = None) -> None:
+        """Count a finished microbatch; start an optimizer step once the batch is complete."""
+        self.counters.add_samples(batch_size, time.monotonic())
+        if loss is not None:
+            self.counters.last_loss = loss
+        if self._accumulated_samples >= self.spec.target_batch_size and self._step_task is None:
+            self._step_task = asyncio.create_task(self._step())
+
+    async def wait_step_done(self) -> None:
+        if self._step_task is not None:
+            await asyncio.shield(self._step_task)
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold new forwards and wait until no graph is held: parameters may change inside."""
+        while not self._gate.is_set():  # someone else is already draining: queue behind them
+            await self._gate.wait()
+        self._gate.clear()
+        try:
+            async with self._idle:
+                await self._idle.wait_for(lambda: self._num_pending == 0)
+            yield
+        finally:
+            self._gate.set()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters and optimizer state as named CPU tensors (call on the compute thread)."""
+        state = {f"model.{k}": v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                for key, value in self.optimizer.state.get(param, {}).items():
+                    state[f"optim.{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().clone()
+        state["counters.num_steps"] = torch.tensor(self.counters.num_steps, dtype=torch.int64)
+        return state
+
+    def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`state_tensors` (call on the compute thread); raises ValueError on mismatch."""
+        model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        expected = self.model.state_dict()
+        if set(model_state) != set(expected):
+            raise ValueError("downloaded state does not have this stage's parameters")
+        for name, value in model_state.items():
+            if value.shape != expected[name].shape or value.dtype != expected[name].dtype:
+                raise ValueError(f"downloaded {name} is {value.dtype}{list(value.shape)}, expected {list(expected[name].shape)}")
+        self.model.load_state_dict(model_state)
+        optim_state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            if key.startswith("optim."):
+                param_name, entry = key[len("optim."):].rsplit(".", 1)
+                optim_state.setdefault(param_name, {})[entry] = value
+        params = dict(self.model.named_parameters())
+        if not set(optim_state) <= set(params):
+            raise ValueError("downloaded optimizer state names parameters this stage does not have")
+        for name, entries in optim_state.items():
+            self.optimizer.state[params[name]] = {
+                k: v.clone() if k == "step" else v.to(self.device) for k, v in entries.items()
+            }
+        self.counters.num_steps = int(state.get("counters.num_steps", torch.tensor(0)))
+
+    def params_digest(self) -> str:
+        """A short hash of the parameters' bytes (call on the compute thread)."""
+        digest = hashlib.blake2b(digest_size=12)
+        for name, value in sorted(self.model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _enter(self) -> None:
+        await self._gate.wait()
+        self._num_pending += 1
+
+    async def _leave(self) -> None:
+        async with self._idle:
+            self._num_pending -= 1
+            self._idle.notify_all()
+
+    async def _step(self) -> None:
+        try:
+            async with self.paused():
+                await self.run(self._step_sync)
+        except Exception:
+            logger.exception("optimizer step failed")
+        finally:
+            self._step_task = None
+
+    def _forward_sync(self, mb_id: str, inputs: torch.Tensor) -> torch.Tensor:
+        inputs = inputs.to(self.device)
+        if inputs.is_floating_point():
+            inputs.requires_grad_(True)
+        outputs = self.model(inputs)
+        self._graphs[mb_id] = (inputs, outputs)
+        return outputs.detach().cpu()
+
+    def _backward_sync(self, mb_id: str, grad_outputs: torch.Tensor) -> torch.Tensor | None:
+        inputs, outputs = self._graphs.pop(mb_id)
+        outputs.backward(grad_outputs.to(self.device, outputs.dtype))
+        self._count_accumulated(inputs.shape[0])
+        return inputs.grad.detach().cpu() if inputs.is_floating_point() else None
+
+    def _forward_loss_backward_sync(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
+        inputs = inputs.to(self.device).requires_grad_(True)
+        loss = next_token_loss(self.model(inputs), targets.to(self.device))
+        loss.backward()
+        self._count_accumulated(inputs.shape[0])
+        return float(loss.detach()), inputs.grad.detach().cpu()
+
+    def _count_accumulated(self, batch_size: int) -> None:
+        # on the compute thread, where the gradients accumulate: the step's divisor is exact
+        self._accumulated_microbatches += 1
+        self._accumulated_samples += batch_size
+
+    def _step_sync(self) -> None:
+        if self._accumulated_microbatches == 0:
+            return
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(self._accumulated_microbatches)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._accumulated_microbatches = self._accumulated_samples = 0
+        self.counters.num_steps += 1

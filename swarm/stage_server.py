@@ -1,0 +1,145 @@
+"""The RPC handlers a stage serves: ``rpc_forward`` (the pipeline) and ``rpc_download_state``.
+
+``rpc_forward`` receives a microbatch's activations (and its targets, which travel with it to the
+last stage), runs this stage's forward, and either computes the loss here (last stage) or sends the
+result on to a peer of the next stage chosen by the :class:`~swarm.router.Router`. The reply carries
+the gradient w.r.t. the activations it received, the loss, and the full route
+``[[peer_id, stage, weight_version], ...]``, so the backward retraces exactly the route the forward
+took. Every request is validated against the run spec (shapes, dtypes, finiteness, token range,
+route consistency) before any compute; a bad one is refused with a logged reason and the server
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P
+
+from swarm.router import NoPeerAvailableError, Router
+from swarm.rpc import forward_handler, state_handler
+from swarm.stage import Stage
+from swarm.wire import ProtocolError, read_message, require_tensor, write_message
+
+logger = logging.getLogger(__name__)
+MAX_ROUTE_HOPS = 64
+
+
+class StageServer:
+    """Serves one stage's RPCs over hivemind P2P binary streams."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        stage: Stage,
+        *,
+        peer_id: str,
+        router: Router | None,
+        request_timeout: float,
+        max_payload_bytes: int,
+        on_microbatch: Callable[[dict[str, Any]], None] = lambda event: None,
+    ) -> None:
+        if (router is None) != stage.is_last:
+            raise ValueError("every stage but the last needs a router to the next stage")
+        self.p2p, self.stage, self.peer_id, self.router = p2p, stage, peer_id, router
+        self.request_timeout, self.max_payload_bytes = request_timeout, max_payload_bytes
+        self.on_microbatch = on_microbatch
+        self.num_refused = 0
+        self._local_ids = itertools.count()
+        self._accepting = True
+
+    async def start(self) -> None:
+        run_id = self.stage.spec.run_id
+        await self.p2p.add_binary_stream_handler(forward_handler(run_id), self.rpc_forward)
+        await self.p2p.add_binary_stream_handler(state_handler(run_id), self.rpc_download_state)
+
+    def stop_accepting(self) -> None:
+        """Refuse new microbatches (leaving): upstream peers re-send them to another replica."""
+        self._accepting = False
+
+    async def rpc_forward(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes)
+
+    async def rpc_download_state(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(reader, writer, self._process_download_state, max_payload_bytes=4096)
+
+    async def _serve(self, reader, writer, process, *, max_payload_bytes: int) -> None:
+        reply: dict[str, Any] = {"ok": False}
+        reply_tensors: list[torch.Tensor] = []
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                header, tensors = await read_message(reader, max_payload_bytes=max_payload_bytes, timeout=self.request_timeout)
+                reply, reply_tensors = await process(header, tensors)
+        except (ProtocolError, ValueError, TypeError, NoPeerAvailableError) as e:
+            self.num_refused += 1
+            logger.warning(f"refused a request: {e}")
+            reply = {"ok": False, "error": str(e)[:500]}
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            logger.debug(f"request abandoned: {e!r}")
+            writer.close()
+            return
+        try:
+            await write_message(writer, reply, reply_tensors)
+        except (ConnectionError, OSError) as e:
+            logger.debug(f"could not send a reply: {e!r}")
+        finally:
+            writer.close()
+
+    async def _process_forward(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list]:
+        if not self._accepting:
+            raise ValueError("this peer is leaving")
+        spec, stage = self.stage.spec, self.stage
+        mb_id, route, batch_size = _check_forward_header(header, spec.microbatch_size, stage.index)
+        activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")
+        targets = require_tensor(tensors, 1, dtype=torch.int64, shape=(batch_size, spec.model.seq_len), name="targets")
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= spec.model.vocab_size):
+            raise ProtocolError("targets hold token ids outside the vocabulary")
+        route = [*route, [self.peer_id, stage.index, stage.version]]
+        if stage.is_last:
+            loss, grad = await stage.forward_loss_backward(activations, targets)
+            stage.record_microbatch(batch_size, loss)
+            self.on_microbatch({"mb_id": mb_id, "loss": loss, "route": route, "samples": batch_size})
+            return {"ok": True, "loss": loss, "route": route}, [grad]
+        local_id = f"{mb_id}#{next(self._local_ids)}"
+        outputs = await stage.forward(local_id, activations)
+        try:
+            reply, reply_tensors = await self.router.forward(
+                {"mb_id": mb_id, "route": route, "batch_size": batch_size}, [outputs, targets]
+            )
+            grad_outputs = require_tensor(reply_tensors, 0, dtype=torch.float32, shape=tuple(outputs.shape), name="gradient")
+        except BaseException:
+            await stage.drop(local_id)
+            raise
+        grad = await stage.backward(local_id, grad_outputs)
+        stage.record_microbatch(batch_size)
+        return {"ok": True, "loss": reply.get("loss"), "route": reply.get("route")}, [grad]
+
+    async def _process_download_state(self, header: dict[str, Any], _tensors: list) -> tuple[dict, list]:
+        if header.get("stage") != self.stage.index:
+            raise ValueError(f"asked for stage {header.get('stage')!r}, this peer serves stage {self.stage.index}")
+        state = await self.stage.run(self.stage.state_tensors)
+        names = sorted(state)
+        reply = {"ok": True, "stage": self.stage.index, "version": self.stage.version, "names": names}
+        return reply, [state[name] for name in names]
+
+
+def _check_forward_header(header: dict[str, Any], max_batch: int, stage: int) -> tuple[str, list, int]:
+    mb_id, route, batch_size = header.get("mb_id"), header.get("route"), header.get("batch_size")
+    if not isinstance(mb_id, str) or not 1 <= len(mb_id) <= 128:
+        raise ProtocolError("mb_id must be a string of 1-128 characters")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= max_batch:
+        raise ProtocolError(f"batch_size must be an integer in [1, {max_batch}]")
+    if not isinstance(route, list) or not 1 <= len(route) <= MAX_ROUTE_HOPS:
+        raise ProtocolError("route must be a non-empty list of hops")
+    for position, hop in enumerate(route):
+        if not (isinstance(hop, list) and len(hop) == 3 and isinstance(hop[0], str) and hop[1] == position
+                and isinstance(hop[2], int) and hop[2] >= 0):
+            raise ProtocolError(f"route hop {position} must be [peer_id, {position}, version], got {hop!r:.100}")
+    if len(route) != stage:
+        raise ProtocolError(f"a microbatch for stage {stage} must have visited {stage} stages, its route has {len(route)}")
+    return mb_id, route, batch_size

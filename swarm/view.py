@@ -1,0 +1,57 @@
+"""The swarm as this peer sees it: the latest peer records, refreshed from the DHT in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import hivemind
+
+from dht.records import PeerRecord
+from dht.registry import fetch_peers
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmView:
+    """Peer records of one run, refreshed every ``refresh_period`` seconds (jittered)."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, *, refresh_period: float = 1.0) -> None:
+        self.dht = dht
+        self.run_id = run_id
+        self.refresh_period = refresh_period
+        self.records: list[PeerRecord] = []
+        self.updated_at = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def refresh(self) -> list[PeerRecord]:
+        self.records = await fetch_peers(self.dht, self.run_id)
+        self.updated_at = time.monotonic()
+        return self.records
+
+    def members(self, stage: int, *, states: tuple[str, ...] = ("training",)) -> list[PeerRecord]:
+        return [r for r in self.records if r.stage == stage and r.state in states]
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._refresh_loop(), name="swarm-view")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(self.refresh(), timeout=10 * self.refresh_period)
+            except Exception as e:  # a DHT hiccup must not kill the loop: keep the last view
+                logger.debug(f"swarm view refresh failed: {e!r}")
+            elapsed = time.monotonic() - started
+            if elapsed > self.refresh_period:
+                logger.warning(f"swarm view refresh took {elapsed:.2f}s, longer than its {self.refresh_period}s period")
+            await asyncio.sleep(self.refresh_period * random.uniform(0.8, 1.2))

@@ -1,0 +1,132 @@
+"""Messages on hivemind binary streams: a msgpack header followed by raw tensor bytes.
+
+Frame layout (all lengths big-endian uint32)::
+
+    [header length][msgpack header]  [tensor 0 bytes][tensor 1 bytes]...
+
+The header is a map; its ``"tensors"`` entry lists ``[dtype, shape]`` per tensor, from which the
+receiver computes each payload size and checks it against its limit *before* reading or
+allocating. No pickle anywhere: a hostile peer can send only bytes that parse as msgpack and
+tensors of allow-listed dtypes. Binary streams are used rather than unary protobuf calls because
+they stream megabytes without the 4 MiB cap and at about 1.5× the throughput (FIELD-NOTES).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_DIMS = 8
+MAX_TENSORS = 4096  # a stage's full state: parameters and optimizer moments
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_LENGTH = struct.Struct(">I")
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol: malformed, oversized or of the wrong kind."""
+
+
+def encode_header(header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
+    described = dict(header)
+    described["tensors"] = [[DTYPE_NAMES[t.dtype], list(t.shape)] for t in tensors]
+    packed = msgpack.packb(described, use_bin_type=True)
+    if len(packed) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
+    return _LENGTH.pack(len(packed)) + packed
+
+
+async def write_message(
+    writer: asyncio.StreamWriter, header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()
+) -> None:
+    """Send one message; tensors are moved to CPU and sent as their raw bytes."""
+    tensors = [t.detach().to("cpu").contiguous() for t in tensors]
+    for t in tensors:
+        if t.dtype not in DTYPE_NAMES:
+            raise ProtocolError(f"dtype {t.dtype} cannot be sent")
+    writer.write(encode_header(header, tensors))
+    for t in tensors:
+        if t.numel():
+            writer.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    await writer.drain()
+
+
+async def read_message(
+    reader: asyncio.StreamReader, *, max_payload_bytes: int, timeout: float
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Receive one message within ``timeout`` seconds.
+
+    Raises:
+        ProtocolError: malformed header, unknown dtype, bad shape, or payload over ``max_payload_bytes``.
+        asyncio.TimeoutError, asyncio.IncompleteReadError: the peer stalled or hung up.
+    """
+    async with asyncio.timeout(timeout):
+        (header_bytes,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+        if header_bytes > MAX_HEADER_BYTES:
+            raise ProtocolError(f"header of {header_bytes} bytes exceeds {MAX_HEADER_BYTES}")
+        header = decode_header(await reader.readexactly(header_bytes))
+        layouts = parse_tensor_layouts(header.pop("tensors", None), max_payload_bytes=max_payload_bytes)
+        tensors = []
+        for dtype, shape, nbytes in layouts:
+            buffer = bytearray(await reader.readexactly(nbytes)) if nbytes else bytearray()
+            flat = torch.frombuffer(buffer, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
+            tensors.append(flat.view(shape))
+    return header, tensors
+
+
+def decode_header(packed: bytes) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(packed, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER_BYTES)
+    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException) as e:
+        raise ProtocolError(f"header is not valid msgpack: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
+    return header
+
+
+def parse_tensor_layouts(described: Any, *, max_payload_bytes: int) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
+    """Check the header's tensor list; return (dtype, shape, nbytes) per tensor."""
+    if described is None:
+        return []
+    if not isinstance(described, list) or len(described) > MAX_TENSORS:
+        raise ProtocolError(f"'tensors' must be a list of at most {MAX_TENSORS} [dtype, shape] pairs")
+    layouts, total = [], 0
+    for item in described:
+        if not (isinstance(item, list) and len(item) == 2 and item[0] in DTYPES and isinstance(item[1], list)):
+            raise ProtocolError(f"bad tensor description {item!r:.100}")
+        shape = item[1]
+        if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ProtocolError(f"bad tensor shape {shape!r:.100}")
+        dtype = DTYPES[item[0]]
+        nbytes = math.prod(shape) * dtype.itemsize
+        total += nbytes
+        if total > max_payload_bytes:
+            raise ProtocolError(f"payload exceeds the limit of {max_payload_bytes} bytes")
+        layouts.append((dtype, tuple(shape), nbytes))
+    return layouts
+
+
+def require_tensor(
+    tensors: Sequence[torch.Tensor], index: int, *, dtype: torch.dtype, shape: tuple[int, ...], name: str
+) -> torch.Tensor:
+    """The ``index``-th tensor, checked against the dtype and shape the run spec implies."""
+    if index >= len(tensors):
+        raise ProtocolError(f"missing tensor {name}")
+    tensor = tensors[index]
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        raise ProtocolError(f"{name} must be {DTYPE_NAMES[dtype]}{list(shape)}, got {tensor.dtype}{list(tensor.shape)}")
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ProtocolError(f"{name} holds NaN or Inf")
+    return tensor
