@@ -1,0 +1,86 @@
+"""Turns ordered device groups and layer boundaries into a Plan, with FS/BS roles.
+
+Frontal/backward server assignment follows seed 000 §3.3.3: a server becomes a frontal server
+(FS) when its mean delay to the previous stage's servers is smaller than its mean delay to the
+next stage's servers, a backward server (BS) otherwise; both sides need one server, so when a
+side is empty the slowest server of the other side moves over. A lone server plays both roles.
+The delay of an edge is ``alpha_ij + alpha_ji + t / beta_ij + t / beta_ji`` (seed 000 §3.3.3)
+with ``t`` the activation bytes of one micro-batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.plan import Plan, Stage
+from planner.snapshot import SwarmSnapshot
+
+
+def build_edge_delays(snapshot: SwarmSnapshot, num_bytes: float) -> np.ndarray:
+    """Symmetric edge delay matrix of seed 000 §3.3.3 for a transfer of ``num_bytes``."""
+    latency = snapshot.links.latency_delay
+    bandwidth = snapshot.links.bandwidth
+    edges = latency + latency.T + num_bytes / bandwidth + num_bytes / bandwidth.T
+    np.fill_diagonal(edges, 0.0)
+    return edges
+
+
+def typical_transfer_bytes(snapshot: SwarmSnapshot) -> float:
+    """Activation bytes of one micro-batch at a typical stage boundary (the median layer output)."""
+    model = snapshot.model
+    return float(model.microbatch_size * np.median(model.layer_activation_bytes))
+
+
+def assign_server_roles(
+    edges: np.ndarray, flops: np.ndarray, servers: np.ndarray, previous: np.ndarray | None,
+    following: np.ndarray | None,
+) -> tuple[list[int], list[int]]:
+    """Splits ``servers`` into (frontal, backward) device indices (seed 000 §3.3.3)."""
+    if servers.size == 1:
+        return [int(servers[0])], [int(servers[0])]
+    frontal: list[int] = []
+    backward: list[int] = []
+    for s in servers.tolist():
+        to_previous = edges[s, previous].mean() if previous is not None else np.inf
+        to_following = edges[s, following].mean() if following is not None else np.inf
+        (frontal if to_previous < to_following else backward).append(s)
+    if not frontal:
+        slowest = min(backward, key=lambda s: (flops[s], s))
+        backward.remove(slowest)
+        frontal.append(slowest)
+    elif not backward:
+        slowest = min(frontal, key=lambda s: (flops[s], s))
+        frontal.remove(slowest)
+        backward.append(slowest)
+    return frontal, backward
+
+
+def assemble_plan(
+    snapshot: SwarmSnapshot, groups: list[tuple[np.ndarray, np.ndarray]], bounds: tuple[int, ...]
+) -> Plan:
+    """Builds the Plan for ordered ``(servers, clients)`` index groups and layer ``bounds``."""
+    if len(groups) != len(bounds):
+        raise ValueError("one boundary per group is required")
+    edges = build_edge_delays(snapshot, typical_transfer_bytes(snapshot))
+    names = [device.peer_id for device in snapshot.devices]
+    stages = []
+    start = 0
+    for k, (servers, clients) in enumerate(groups):
+        previous = groups[k - 1][0] if k > 0 else None
+        following = groups[k + 1][0] if k + 1 < len(groups) else None
+        frontal, backward = assign_server_roles(edges, snapshot.flops, servers, previous, following)
+        stages.append(Stage(
+            layer_start=start, layer_end=bounds[k],
+            server_ids=tuple(names[i] for i in servers), client_ids=tuple(names[i] for i in clients),
+            frontal_ids=tuple(names[i] for i in frontal), backward_ids=tuple(names[i] for i in backward),
+        ))
+        start = bounds[k]
+    return Plan(stages=tuple(stages))
+
+
+def plan_groups(snapshot: SwarmSnapshot, plan: Plan) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The ``(servers, clients)`` index groups of ``plan``, in stage order."""
+    return [
+        (np.sort(snapshot.indices_of(s.server_ids)), np.sort(snapshot.indices_of(s.client_ids)))
+        for s in plan.stages
+    ]

@@ -1,0 +1,86 @@
+"""Scores arrangements (ordered server groups with their clients) under seed 000 Eq. 2.
+
+An arrangement fixes which devices serve and work for each stage, in pipeline order; its cost is
+the bottleneck stage term of the best layer split (``layer_split``). Search procedures score
+thousands of arrangements that share most groups, so the stage delay matrix of each distinct
+``(servers, clients, in-flight count)`` and the link terms of each distinct server pair are
+computed once and memoised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.assembly import assemble_plan
+from planner.costs import count_inflight, profile_group
+from planner.layer_split import build_cost_matrix, build_link_terms, split_by_matrices
+from planner.plan import Plan
+from planner.snapshot import SwarmSnapshot
+
+Arrangement = list[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+class ArrangementScorer:
+    """Memoising scorer of arrangements for one snapshot."""
+
+    def __init__(self, snapshot: SwarmSnapshot) -> None:
+        self.snapshot = snapshot
+        self.num_evaluations = 0
+        self._delays: dict[tuple, np.ndarray] = {}
+        self._links: dict[tuple, np.ndarray] = {}
+        model = snapshot.model
+        self._out_bytes = model.microbatch_size * np.asarray((0.0,) + model.layer_activation_bytes)
+
+    def stage_matrix(self, servers: tuple[int, ...], clients: tuple[int, ...], inflight: int) -> np.ndarray:
+        """Stage delay ``DT[a, b]`` of the group for every layer range (inf where a >= b)."""
+        key = (servers, clients, inflight)
+        matrix = self._delays.get(key)
+        if matrix is None:
+            group = profile_group(
+                self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64)
+            )
+            matrix = build_cost_matrix(self.snapshot.model, group, num_inflight=inflight, link_terms=None)
+            self._delays[key] = matrix
+        return matrix
+
+    def link_row(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> np.ndarray:
+        """Link delay to the next stage for every stage end ``b`` (broadcast over ``a``)."""
+        key = (senders, receivers)
+        row = self._links.get(key)
+        if row is None:
+            fixed, per_byte = build_link_terms(
+                self.snapshot, np.array(senders, dtype=np.int64), np.array(receivers, dtype=np.int64)
+            )
+            row = (fixed + per_byte * self._out_bytes)[None, :]
+            self._links[key] = row
+        return row
+
+    def stage_matrices(self, arrangement: Arrangement) -> list[np.ndarray]:
+        """Per-stage cost matrices (stage delay plus outgoing link) of ``arrangement``."""
+        num_stages = len(arrangement)
+        matrices = []
+        for k, (servers, clients) in enumerate(arrangement):
+            inflight = count_inflight(k, num_stages, self.snapshot.model.num_microbatches)
+            matrix = self.stage_matrix(servers, clients, inflight)
+            if k + 1 < num_stages:
+                matrix = matrix + self.link_row(servers, arrangement[k + 1][0])
+            matrices.append(matrix)
+        return matrices
+
+    def score(self, arrangement: Arrangement) -> tuple[tuple[int, ...], float]:
+        """(layer boundaries, bottleneck seconds) of the best layer split; inf when infeasible."""
+        self.num_evaluations += 1
+        if len(arrangement) > self.snapshot.model.num_layers:
+            return (), float("inf")
+        return split_by_matrices(self.stage_matrices(arrangement))
+
+    def stage_costs(self, arrangement: Arrangement, bounds: tuple[int, ...]) -> np.ndarray:
+        """Per-stage cost for fixed layer boundaries."""
+        starts = (0,) + tuple(bounds[:-1])
+        matrices = self.stage_matrices(arrangement)
+        return np.array([m[a, b] for m, a, b in zip(matrices, starts, bounds)])
+
+    def to_plan(self, arrangement: Arrangement, bounds: tuple[int, ...]) -> Plan:
+        """The Plan of an arrangement and its boundaries."""
+        groups = [(np.array(s, dtype=np.int64), np.array(c, dtype=np.int64)) for s, c in arrangement]
+        return assemble_plan(self.snapshot, groups, bounds)
