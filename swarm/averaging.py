@@ -5,7 +5,8 @@ multiple of ``averaging_period``, so all of them look for a group at the same mo
 anyone coordinating. Matchmaking runs in the background (hivemind's ``DecentralizedAverager`` with
 ``require_trigger``) while the stage keeps training; only at the scheduled time does the stage
 pause (drain its in-flight microbatches), copy its parameters in, trigger the all-reduce, and copy
-the average back. After a round every member of the group holds bit-identical parameters.
+the average back. After a round every member of the group holds bit-identical parameters
+(averaging runs on float64 copies; see ``__init__``).
 Unreliable peers take part in client mode: they send and receive but host no part of the reduce.
 Averager keys are ``<run_id>_stage<k>``.
 """
@@ -47,7 +48,10 @@ class StageAverager:
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
         self.on_round = on_round
         self.num_rounds = self.num_failed_rounds = 0
-        params = [p.detach().cpu().clone() for p in stage.model.parameters()]
+        # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
+        # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
+        # parameters that sum is exact in float64, and every replica rounds the same float64 average.
+        params = [p.detach().cpu().to(torch.float64) for p in stage.model.parameters()]
         self.averager = hivemind.DecentralizedAverager(
             params, dht, start=True, prefix=f"{stage.spec.run_id}_stage{stage.index}",
             target_group_size=None, min_group_size=2, min_matchmaking_time=matchmaking_time,

@@ -208,7 +208,10 @@ class Stage:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def _enter(self) -> None:
-        await self._gate.wait()
+        # Re-check after every wake-up: between the gate opening and this task resuming, another
+        # pauser may have closed it again. No await between the check and the increment.
+        while not self._gate.is_set():
+            await self._gate.wait()
         self._num_pending += 1
 
     async def _leave(self) -> None:

@@ -85,5 +85,6 @@ class Trainer:
             loss, route = float(reply.get("loss", float("nan"))), reply.get("route", route)
         stage.record_microbatch(batch_size, loss)
         self.on_microbatch({"mb_id": mb_id, "loss": loss, "route": route, "samples": batch_size,
+                            "tokens": batch_size * stage.spec.model.seq_len,
                             "seconds": time.monotonic() - started})
         return loss

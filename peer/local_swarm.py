@@ -1,0 +1,170 @@
+"""A real swarm on this machine: run_bootstrap.py and run_peer.py as separate processes on 127.0.0.1.
+
+Used by the demo, the end-to-end tests and the benchmarks. Every process starts in its own process
+group (so its DHT child and p2pd go with it), reports readiness through files rather than sleeps,
+and is stopped by PID in :meth:`LocalSwarm.shutdown`: first SIGINT (a graceful leave), then SIGKILL
+of its group for anything still alive after the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass
+class LocalProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    metrics_path: Path | None = None
+    log_file: object = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    def events(self, event: str | None = None) -> list[dict]:
+        """Parsed lines of the peer's metrics file (optionally only one kind of event)."""
+        if self.metrics_path is None or not self.metrics_path.exists():
+            return []
+        records = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+            if event is None or record.get("event") == event:
+                records.append(record)
+        return records
+
+
+class LocalSwarm:
+    """Starts and stops a bootstrap node and peers as child processes, all logs under ``workdir``."""
+
+    def __init__(self, workdir: str | Path, *, run_id: str = "demo", python: str = sys.executable) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.run_id, self.python = run_id, python
+        self.bootstrap: LocalProcess | None = None
+        self.peers: list[LocalProcess] = []
+        self.maddrs: list[str] = []
+
+    def start_bootstrap(self, *args: str, timeout: float = 60.0) -> list[str]:
+        """Start run_bootstrap.py and wait until it wrote its multiaddrs; returns them."""
+        maddrs_file = self.workdir / "bootstrap.maddrs"
+        maddrs_file.unlink(missing_ok=True)
+        self.bootstrap = self._spawn("bootstrap", "run_bootstrap.py", "--host-maddrs", LOOPBACK,
+                                     "--maddrs-file", str(maddrs_file), "--run-id", self.run_id, *args)
+        wait_for(lambda: maddrs_file.exists() or not self.bootstrap.is_alive(), timeout, "the bootstrap to start")
+        if not self.bootstrap.is_alive():
+            raise RuntimeError(f"the bootstrap exited:\n{self.bootstrap.log_tail()}")
+        self.maddrs = maddrs_file.read_text().split()
+        return self.maddrs
+
+    def start_peer(self, *args: str, bootstrap: Sequence[str] | None = None, run_id: str | None = None) -> LocalProcess:
+        """Start run_peer.py joined through the bootstrap (or the given multiaddrs)."""
+        index = len(self.peers)
+        metrics = self.workdir / f"peer{index}.jsonl"
+        peer = self._spawn(f"peer{index}", "run_peer.py", "--bootstrap", *(bootstrap or self.maddrs),
+                           "--run-id", run_id or self.run_id, "--host-maddrs", LOOPBACK,
+                           "--metrics-file", str(metrics), *args)
+        peer.metrics_path = metrics
+        self.peers.append(peer)
+        return peer
+
+    def stop(self, proc: LocalProcess, *, graceful: bool = True, timeout: float = 30.0) -> int | None:
+        """SIGINT (graceful) or SIGKILL of the process group; returns the exit code."""
+        if proc.is_alive():
+            if graceful:
+                proc.process.send_signal(signal.SIGINT)
+                try:
+                    return proc.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            _kill_group(proc.process)
+        try:
+            return proc.process.wait(10)
+        finally:
+            if proc.log_file is not None:
+                proc.log_file.close()
+                proc.log_file = None
+
+    def shutdown(self, *, timeout: float = 30.0) -> None:
+        """SIGINT every peer at once, then the bootstrap; kill any process group still alive after that."""
+        for proc in self.peers:
+            if proc.is_alive():
+                proc.process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + timeout
+        for proc in self.peers:
+            try:
+                proc.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.bootstrap is not None:
+            self.stop(self.bootstrap, timeout=10.0)
+        for proc in self.all_processes():
+            _kill_group(proc.process)  # whatever is left of each group (DHT children, p2pd)
+            if proc.process.poll() is None:
+                proc.process.wait(10)
+            if proc.log_file is not None:
+                proc.log_file.close()
+                proc.log_file = None
+
+    def all_processes(self) -> Iterator[LocalProcess]:
+        yield from self.peers
+        if self.bootstrap is not None:
+            yield self.bootstrap
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {p.name} (pid {p.pid}, exit {p.process.poll()})\n{p.log_tail()}" for p in self.all_processes())
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _spawn(self, name: str, script: str, *args: str) -> LocalProcess:
+        log_path = self.workdir / f"{name}.log"
+        log_file = open(log_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen([self.python, str(REPO_ROOT / script), *args], stdout=log_file,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
+                                   start_new_session=True)
+        return LocalProcess(name=name, process=process, log_path=log_path, log_file=log_file)
+
+
+def wait_for(condition, timeout: float, what: str, *, period: float = 0.2) -> None:
+    """Poll ``condition`` until it holds; ``TimeoutError`` naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(period)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
