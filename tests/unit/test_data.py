@@ -1,0 +1,139 @@
+"""Training text: the built-in corpus, file datasets identified by hash, the sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from swarm.data import (
+    BUILTIN_PYDOC,
+    VALIDATION_FRACTION,
+    DataError,
+    TokenSampler,
+    data_seed,
+    files_dataset_id,
+    load_corpus,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> bytes:
+    return load_corpus(BUILTIN_PYDOC)
+
+
+def test_builtin_corpus_loads_and_is_large(corpus):
+    assert isinstance(corpus, bytes)
+    assert len(corpus) > 100_000
+    assert b"def" in corpus and b"class" in corpus
+    assert load_corpus(BUILTIN_PYDOC) == corpus  # deterministic
+
+
+def test_sampler_shapes_dtypes_and_shift(corpus):
+    sampler = TokenSampler(corpus, seq_len=32, seed=1)
+    inputs, targets = sampler.sample(5)
+    assert inputs.shape == targets.shape == (5, 32)
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert int(inputs.min()) >= 0 and int(inputs.max()) < 256
+    # each row is a real window of the training text
+    train = bytes(sampler.train_tokens)
+    for row_in, row_t in zip(inputs, targets):
+        window = bytes(row_in.tolist()) + bytes([int(row_t[-1])])
+        assert window in train
+
+
+def test_validation_split_is_disjoint_and_held_out(corpus):
+    sampler = TokenSampler(corpus, seq_len=16, seed=2)
+    assert len(sampler.train_tokens) + len(sampler.val_tokens) == len(corpus)
+    assert len(sampler.val_tokens) == pytest.approx(len(corpus) * VALIDATION_FRACTION, abs=2)
+    assert bytes(sampler.train_tokens) + bytes(sampler.val_tokens) == corpus
+    inputs, targets = sampler.sample(20, validation=True)
+    val = bytes(sampler.val_tokens)
+    for row_in, row_t in zip(inputs, targets):
+        assert bytes(row_in.tolist()) + bytes([int(row_t[-1])]) in val
+
+
+def test_validation_windows_never_cross_into_training_tokens():
+    corpus = bytes(range(200)) * 5  # 1000 bytes: split at 950
+    sampler = TokenSampler(corpus, seq_len=8, seed=0)
+    for _ in range(20):
+        inputs, targets = sampler.sample(16, validation=True)
+        # positions of the windows: every token value in [150, 200) appears only in the last 50 bytes
+        assert int(inputs.min()) >= 150 and int(targets.min()) >= 150
+    assert sampler.train_tokens.size == 950
+
+
+def test_same_seed_same_batches_other_seed_other_batches(corpus):
+    a, b, c = (TokenSampler(corpus, seq_len=16, seed=s) for s in (7, 7, 8))
+    first_a, first_b, first_c = a.sample(4), b.sample(4), c.sample(4)
+    assert torch.equal(first_a[0], first_b[0]) and torch.equal(first_a[1], first_b[1])
+    assert not torch.equal(first_a[0], first_c[0])
+    assert not torch.equal(a.sample(4)[0], first_a[0])  # the stream moves on
+
+
+@pytest.mark.parametrize("size, seq_len", [(0, 4), (10, 4), (200, 64)])
+def test_corpus_too_short_raises_data_error(size, seq_len):
+    with pytest.raises(DataError):
+        TokenSampler(b"x" * size, seq_len=seq_len, seed=0)
+
+
+def test_data_seed_is_deterministic_and_differs_per_peer():
+    assert data_seed(0, "peerA") == data_seed(0, "peerA")
+    seeds = {data_seed(run, peer) for run in range(3) for peer in ("peerA", "peerB", "peerC")}
+    assert len(seeds) == 9
+    assert all(0 <= s < 2**64 for s in seeds)
+    # fixed across processes and Python versions (no hash()): pin one value
+    import hashlib
+
+    assert data_seed(3, "p") == int.from_bytes(hashlib.sha256(b"3:p").digest()[:8], "big")
+    np.random.default_rng(data_seed(0, "peerA"))  # usable as a numpy seed
+
+
+def test_files_dataset_id_is_stable_and_content_addressed(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_bytes(b"hello world\n")
+    b.write_bytes(b"second file\n")
+    dataset = files_dataset_id([str(a), str(b)])
+    assert dataset.startswith("files:") and len(dataset) == len("files:") + 64
+    assert files_dataset_id([str(a), str(b)]) == dataset
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(a.read_bytes())
+    assert files_dataset_id([str(copy), str(b)]) == dataset  # the name does not matter
+    assert files_dataset_id([str(b), str(a)]) != dataset  # the order does
+    # the file boundary is part of the hash
+    joined = tmp_path / "joined.txt"
+    joined.write_bytes(a.read_bytes() + b.read_bytes())
+    assert files_dataset_id([str(joined)]) != dataset
+    assert load_corpus(dataset, [str(a), str(b)]) == b"hello world\n\0second file\n"
+    from dht.records import RunSpec
+
+    RunSpec(run_id="d", dataset=dataset)  # a valid run spec dataset
+
+
+def test_files_that_do_not_match_the_run_raise_data_error(tmp_path):
+    a = tmp_path / "a.txt"
+    a.write_bytes(b"original text")
+    dataset = files_dataset_id([str(a)])
+    a.write_bytes(b"edited text")
+    with pytest.raises(DataError, match="not the run's dataset"):
+        load_corpus(dataset, [str(a)])
+    with pytest.raises(DataError):
+        load_corpus(dataset, [])
+    with pytest.raises(DataError):
+        load_corpus("https://example.com/corpus")
+
+
+def test_empty_or_missing_file_raises_data_error(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    missing = tmp_path / "missing.txt"
+    for path in (empty, missing, tmp_path):  # a directory cannot be read either
+        with pytest.raises(DataError):
+            files_dataset_id([str(path)])
+        with pytest.raises(DataError):
+            load_corpus("files:" + "0" * 64, [str(path)])
+
+
+def test_data_error_is_a_value_error():
+    assert issubclass(DataError, ValueError)
