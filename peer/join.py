@@ -64,14 +64,20 @@ def choose_stage_from_view(spec: RunSpec, records: list[PeerRecord], peer_id: st
     return assign_joiners(stage_costs(spec), members, joiners)[peer_id]
 
 
-async def negotiate_stage(view: SwarmView, spec: RunSpec, peer_id: str, *, settle_delay: float, timeout: float) -> int:
-    """Wait ``settle_delay`` for concurrent joiners to announce, then choose like all of them would."""
+async def negotiate_stage(
+    view: SwarmView, spec: RunSpec, peer_id: str, *, settle_delay: float, timeout: float
+) -> tuple[int, list[PeerRecord]]:
+    """Wait ``settle_delay`` for concurrent joiners to announce, then choose like all of them would.
+
+    Returns:
+        the chosen stage and the snapshot of records it was chosen from.
+    """
     await asyncio.sleep(settle_delay)
     deadline = time.monotonic() + timeout
     while True:
         records = await view.refresh()
         try:
-            return choose_stage_from_view(spec, records, peer_id)
+            return choose_stage_from_view(spec, records, peer_id), records
         except RuntimeError:
             if time.monotonic() >= deadline:
                 raise

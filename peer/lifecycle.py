@@ -91,8 +91,10 @@ class Peer:
             raise UserError(f"--stage {stage_index} does not exist: run {self.spec.run_id} has {self.spec.num_stages} stages (0-{self.spec.num_stages - 1}).")
         if stage_index < 0:
             await self._heartbeat_once(stage=-1)
-            stage_index = await negotiate_stage(self.view, self.spec, self.peer_id,
-                                                settle_delay=config.settle_delay, timeout=config.join_timeout)
+            stage_index, snapshot = await negotiate_stage(self.view, self.spec, self.peer_id,
+                                                          settle_delay=config.settle_delay, timeout=config.join_timeout)
+            self.metrics.write("joined", peer_id=self.peer_id, stage=stage_index, flops=self.flops,
+                               snapshot=[r.to_wire() for r in snapshot])
         self._check_memory(stage_index, device)
         self.stage = Stage(self.spec, stage_index, device=device)
         self.state = "syncing"

@@ -85,6 +85,7 @@ class LocalSwarm:
         """Start run_peer.py joined through the bootstrap (or the given multiaddrs)."""
         index = len(self.peers)
         metrics = self.workdir / f"peer{index}.jsonl"
+        metrics.unlink(missing_ok=True)  # the peer appends; a previous run's events must not count
         peer = self._spawn(f"peer{index}", "run_peer.py", "--bootstrap", *(bootstrap or self.maddrs),
                            "--run-id", run_id or self.run_id, "--host-maddrs", LOOPBACK,
                            "--metrics-file", str(metrics), *args)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import signal
 from collections.abc import Callable
 
 import hivemind
@@ -52,10 +53,20 @@ class StageAverager:
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
         # parameters that sum is exact in float64, and every replica rounds the same float64 average.
         params = [p.detach().cpu().to(torch.float64) for p in stage.model.parameters()]
-        self.averager = hivemind.DecentralizedAverager(
-            params, dht, start=True, prefix=f"{stage.spec.run_id}_stage{stage.index}",
+        # hivemind 1.1.12's DecentralizedAverager.run_in_background sets SIGINT to SIG_IGN in the
+        # *calling* process, which would make Ctrl+C do nothing; put our handler back afterwards.
+        sigint_handler = signal.getsignal(signal.SIGINT)
+        try:
+            self.averager = self._create_averager(params, client_mode)
+        finally:
+            signal.signal(signal.SIGINT, sigint_handler)
+
+    def _create_averager(self, params: list[torch.Tensor], client_mode: bool) -> hivemind.DecentralizedAverager:
+        stage, matchmaking_time = self.stage, self.matchmaking_time
+        return hivemind.DecentralizedAverager(
+            params, self.dht, start=True, prefix=f"{stage.spec.run_id}_stage{stage.index}",
             target_group_size=None, min_group_size=2, min_matchmaking_time=matchmaking_time,
-            request_timeout=min(1.0, matchmaking_time / 2), allreduce_timeout=allreduce_timeout,
+            request_timeout=min(1.0, matchmaking_time / 2), allreduce_timeout=self.allreduce_timeout,
             client_mode=client_mode, allow_state_sharing=False,
         )
 

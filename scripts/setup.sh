@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with everything Murmuration needs. torch==2.13.0 is installed before the
+# project: a bare torch requirement with nothing installed would pull several GB of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    "${PYTHON:-python3}" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, hivemind, msgpack, uvloop, pytest, pytest_timeout, hypothesis" 2>/dev/null; then
+    .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+    .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+fi

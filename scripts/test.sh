@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# README command 2: set up (first time) and run every test, the slow multi-process ones included.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

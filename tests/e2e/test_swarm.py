@@ -1,0 +1,71 @@
+"""The real thing: run_bootstrap.py and run_peer.py as processes on 127.0.0.1, training together."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from dht.records import PeerRecord, RunSpec
+from peer.join import choose_stage_from_view
+from peer.local_swarm import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+LOSS_WINDOW = 20
+
+
+def stage_of(peer) -> int:
+    return peer.events("status")[-1]["stage"]
+
+
+def common_rounds(peers) -> dict[float, set[str]]:
+    """Averaging round time → the digests the given peers reported for it (rounds all of them ran)."""
+    rounds: dict[float, dict[str, str]] = {}
+    for peer in peers:
+        for event in peer.events("averaged"):
+            rounds.setdefault(event["at"], {})[peer.name] = event["digest"]
+    return {at: set(d.values()) for at, d in rounds.items() if len(d) == len(peers)}
+
+
+def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
+    local_swarm.start_bootstrap("--averaging-period", "6")
+    peers = [local_swarm.start_peer("--num-threads", "1") for _ in range(4)]  # four concurrent joiners
+    wait_for(lambda: all(p.events("status") or not p.is_alive() for p in peers), 150, "four peers to train")
+    assert all(p.is_alive() for p in peers)
+
+    # every joiner decided from its own snapshot exactly what the pure planner decides from it
+    spec = RunSpec(run_id="demo")
+    for peer in peers:
+        joined = peer.events("joined")[0]
+        snapshot = [PeerRecord.from_wire(r) for r in joined["snapshot"]]
+        assert choose_stage_from_view(spec, snapshot, joined["peer_id"]) == joined["stage"]
+    by_stage = sorted(stage_of(p) for p in peers)
+    assert by_stage == [0, 0, 1, 1], f"concurrent joiners should spread 2 x 2, got {by_stage}"
+
+    # replicas of each stage hold bit-identical parameters after every round they shared
+    for stage in (0, 1):
+        replicas = [p for p in peers if stage_of(p) == stage]
+        wait_for(lambda: len(common_rounds(replicas)) >= 2, 90, f"two averaging rounds in stage {stage}")
+        for at, digests in common_rounds(replicas).items():
+            assert len(digests) == 1, f"stage {stage} replicas differ after the round at {at}: {digests}"
+
+    # a late joiner receives the current state of an occupied stage and contributes
+    late = local_swarm.start_peer("--num-threads", "1")
+    wait_for(lambda: late.events("state_download") or not late.is_alive(), 90, "the late joiner's download")
+    download = late.events("state_download")[0]
+    assert download["version"] > 0, "the joiner should get the trained state, not the initial one"
+    donor_stage = next(stage_of(p) for p in peers if p.events("joined")[0]["peer_id"] == download["donor"])
+    wait_for(lambda: any(e["stage"] == stage_of(late) for e in late.events("status")) and
+             late.events("status")[-1]["samples"] > 0, 60, "the late joiner to process microbatches")
+    assert stage_of(late) == donor_stage
+
+    # the loss fell
+    losses = [loss for _, loss in sorted((e["t"], e["loss"]) for p in peers + [late] for e in p.events("microbatch")
+                                         if e["stage"] == 1 and e.get("loss") is not None)]
+    assert len(losses) > 2 * LOSS_WINDOW
+    first, last = statistics.mean(losses[:LOSS_WINDOW]), statistics.mean(losses[-LOSS_WINDOW:])
+    assert last < first - 0.5, f"loss {first:.3f} -> {last:.3f}"
+
+    # Ctrl+C: every peer leaves cleanly
+    local_swarm.shutdown(timeout=30)
+    assert [p.process.returncode for p in peers + [late]] == [0] * 5

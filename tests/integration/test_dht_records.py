@@ -1,0 +1,66 @@
+"""Run specs and peer records through real hivemind DHT nodes: signed, validated, forgeries refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hivemind.utils import get_dht_time
+
+from dht.records import PeerRecord, RunSpec, peers_key, spec_key
+from dht.registry import declare_peer, declare_run_spec, fetch_peers, fetch_run_ids, fetch_run_specs
+
+
+def test_spec_published_by_one_node_is_read_by_another(dht_nodes):
+    (publisher, validator), (reader, _), _ = dht_nodes
+    spec = RunSpec(run_id="alpha", seed=7)
+
+    async def main():
+        assert await declare_run_spec(publisher, validator, spec)
+        assert await fetch_run_specs(reader, "alpha") == [spec]
+        assert await fetch_run_specs(reader, "beta") == []
+        assert await fetch_run_ids(reader) == ["alpha"]
+
+    asyncio.run(main())
+
+
+def test_a_record_under_someone_elses_key_is_refused(dht_nodes):
+    (owner, owner_validator), (forger, _), (reader, _) = dht_nodes
+    spec = RunSpec(run_id="alpha")
+
+    async def main():
+        assert await declare_run_spec(owner, owner_validator, spec)
+        forged = RunSpec(run_id="alpha", lr=9.0).to_wire()
+        stored = await forger.store(spec_key("alpha"), forged, get_dht_time() + 60,
+                                    subkey=owner_validator.local_public_key, return_future=True)
+        assert not stored
+        assert await fetch_run_specs(reader, "alpha") == [spec]
+
+    asyncio.run(main())
+
+
+def test_malformed_peer_records_are_dropped_and_valid_ones_kept(dht_nodes):
+    (a, va), (b, vb), (reader, _) = dht_nodes
+    good = PeerRecord(peer_id="good-peer", role="reliable", state="training", stage=0, flops=1e9)
+
+    async def main():
+        assert await declare_peer(a, va, "alpha", good, ttl=60)
+        bad = {**good.to_wire(), "peer_id": "bad-peer", "stage": "zero"}
+        assert await b.store(peers_key("alpha"), bad, get_dht_time() + 60, subkey=vb.local_public_key, return_future=True)
+        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == ["good-peer"]
+
+    asyncio.run(main())
+
+
+def test_peer_record_disappears_after_its_ttl(dht_nodes):
+    (a, va), _, (reader, _) = dht_nodes
+    record = PeerRecord(peer_id="short-lived", role="unreliable", state="training", stage=1, flops=1.0)
+
+    async def main():
+        assert await declare_peer(a, va, "alpha", record, ttl=1.0)
+        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == ["short-lived"]
+        deadline = get_dht_time() + 10
+        while await fetch_peers(reader, "alpha"):
+            assert get_dht_time() < deadline, "an expired heartbeat is still listed"
+            await asyncio.sleep(0.2)
+
+    asyncio.run(main())
