@@ -1,0 +1,45 @@
+"""Peer profiler: memory a stage needs, measured compute throughput."""
+
+from __future__ import annotations
+
+import math
+
+from dht.records import ModelSpec, RunSpec, even_stage_layers
+from peer.profiler import FIXED_OVERHEAD_BYTES, measure_flops, resolve_device, stage_memory_bytes
+from swarm.model import stage_num_params
+
+
+def spec_with(num_layers: int, num_stages: int, **model) -> RunSpec:
+    return RunSpec(run_id="p", model=ModelSpec(num_layers=num_layers, **model),
+                   stage_layers=even_stage_layers(num_layers, num_stages))
+
+
+def test_stage_memory_grows_with_max_in_flight():
+    spec = spec_with(4, 2)
+    for stage in range(2):
+        sizes = [stage_memory_bytes(spec, stage, max_in_flight=n) for n in (1, 2, 4, 16)]
+        assert sizes == sorted(sizes) and len(set(sizes)) == 4
+        assert sizes[0] > FIXED_OVERHEAD_BYTES + stage_num_params(spec, stage) * 4
+
+
+def test_stage_memory_grows_with_layers():
+    a = stage_memory_bytes(spec_with(6, 3), 1, max_in_flight=4)   # 2 layers
+    b = stage_memory_bytes(spec_with(9, 3), 1, max_in_flight=4)   # 3 layers
+    c = stage_memory_bytes(spec_with(12, 3), 1, max_in_flight=4)  # 4 layers
+    assert a < b < c
+    # linear in layers for a middle stage (no embedding, no head)
+    assert c - b == b - a
+    uneven = RunSpec(run_id="p", model=ModelSpec(num_layers=6), stage_layers=((0, 1), (1, 2), (2, 5), (5, 6)))
+    assert stage_memory_bytes(uneven, 2, max_in_flight=4) > stage_memory_bytes(uneven, 1, max_in_flight=4)
+
+
+def test_measure_flops_is_positive_and_finite():
+    spec = RunSpec(run_id="p", model=ModelSpec(d_model=16, num_layers=2, num_heads=2, seq_len=8),
+                   stage_layers=((0, 1), (1, 2)), microbatch_size=2, target_batch_size=2)
+    flops = measure_flops(spec, resolve_device("cpu"), num_trials=2)
+    assert isinstance(flops, float) and math.isfinite(flops) and flops > 0
+
+
+def test_resolve_device():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type in ("cpu", "cuda")
