@@ -19,12 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=BootstrapConfig.__doc__)
     add_dataclass_arguments(parser, BootstrapConfig)
     args = parser.parse_args(argv)
+    from peer.bootstrap import BootstrapNode, build_run_spec  # heavy imports after parsing: --help stays fast
+
     try:
         config = dataclass_from_args(BootstrapConfig, args)
-    except ValueError as e:
+        build_run_spec(config)  # the model and data settings, checked before anything starts
+    except ValueError as e:  # DataError is a ValueError too
         parser.error(str(e))
     configure_logging(config.log_level, lambda: "[bootstrap] ")
-    from peer.bootstrap import BootstrapNode  # heavy imports after argument parsing: --help stays fast
 
     async def serve(stop: asyncio.Event) -> None:
         with BootstrapNode(config) as node:

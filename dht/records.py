@@ -36,7 +36,7 @@ def peers_key(run_id: str) -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
         raise ValueError(f"run id must be 1-64 letters, digits, '_' or '-', got {run_id!r}")
     return run_id
 
@@ -116,7 +116,7 @@ class RunSpec:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.microbatch_size < 1 or self.target_batch_size < self.microbatch_size:
             raise ValueError("need 1 <= microbatch_size <= target_batch_size")
-        if not isinstance(self.dataset, str) or not re.match(r"^(builtin:pydoc|files:[0-9a-f]{64})$", self.dataset):
+        if not isinstance(self.dataset, str) or not re.fullmatch(r"builtin:pydoc|files:[0-9a-f]{64}", self.dataset):
             raise ValueError(f"dataset must be 'builtin:pydoc' or 'files:<sha256>', got {self.dataset!r}")
 
     @property
@@ -199,14 +199,14 @@ class PeerRecord:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.state not in PEER_STATES:
             raise ValueError(f"state must be one of {PEER_STATES}, got {self.state!r}")
-        if not isinstance(self.stage, int) or not -1 <= self.stage < MAX_STAGES:
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or not -1 <= self.stage < MAX_STAGES:
             raise ValueError(f"stage must be an integer in [-1, {MAX_STAGES}), got {self.stage!r}")
         _check_float("flops", self.flops, 0.0, 1e18)
         _check_float("samples_per_s", self.samples_per_s, 0.0, 1e9)
         _check_float("announced_at", self.announced_at, 0.0, 1e11)
         _check_float("averaged_at", self.averaged_at, 0.0, 1e11)
-        if not isinstance(self.loss, (int, float)):
-            raise ValueError("loss must be a number")
+        if not isinstance(self.loss, (int, float)) or isinstance(self.loss, bool) or math.isinf(self.loss):
+            raise ValueError("loss must be a finite number or NaN (none yet)")
         for name in ("num_samples", "version"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
@@ -226,7 +226,10 @@ class PeerRecord:
         if not isinstance(wire, dict):
             raise ValueError(f"peer record must be a map, got {type(wire).__name__}")
         fields = dict(wire)
-        fields["maddrs"] = tuple(fields.get("maddrs", ()) or ())
+        maddrs = fields.get("maddrs", ())
+        if not isinstance(maddrs, (list, tuple)):
+            raise ValueError(f"peer record maddrs must be a list, got {type(maddrs).__name__}")
+        fields["maddrs"] = tuple(maddrs)
         try:
             return cls(**fields)
         except TypeError as e:
@@ -238,7 +241,7 @@ def _check_stage_layers(stage_layers: Any, num_layers: int) -> None:
         raise ValueError(f"a run has 1-{MAX_STAGES} stages")
     expected_start = 0
     for k, layer_range in enumerate(stage_layers):
-        if len(layer_range) != 2 or not all(isinstance(x, int) for x in layer_range):
+        if len(layer_range) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in layer_range):
             raise ValueError(f"stage {k} layer range must be two integers, got {layer_range!r}")
         start, end = layer_range
         if start != expected_start or end <= start:

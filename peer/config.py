@@ -63,8 +63,9 @@ class PeerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
         if self.heartbeat_ttl <= 2 * self.heartbeat_period:
             raise ValueError("--heartbeat-ttl must exceed two heartbeat periods, or live peers would flicker")
-        if self.max_memory_mb < 0 or self.run_for < 0 or self.settle_delay < 0:
-            raise ValueError("--max-memory-mb, --run-for and --settle-delay must be >= 0")
+        for name in ("max_memory_mb", "run_for", "settle_delay"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
+                raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("--log-level must be DEBUG, INFO, WARNING or ERROR")
 
@@ -102,7 +103,9 @@ class BootstrapConfig:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        if self.spec_refresh_period <= 0:
-            raise ValueError("--spec-refresh-period must be positive")
+        if not (math.isfinite(self.spec_refresh_period) and self.spec_refresh_period > 0):
+            raise ValueError("--spec-refresh-period must be a positive number")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError("--log-level must be DEBUG, INFO, WARNING or ERROR")
         if not 1 <= self.num_stages <= self.num_layers:
             raise ValueError(f"--num-stages must be between 1 and --num-layers ({self.num_layers})")

@@ -70,9 +70,12 @@ class Peer:
 
     async def _join(self) -> None:
         config = self.config
-        node_config = DHTNodeConfig(initial_peers=config.bootstrap, host_maddrs=config.host_maddrs,
-                                    announce_maddrs=config.announce_maddrs, identity_path=config.identity_path,
-                                    client_mode=config.client_mode, start_timeout=config.join_timeout)
+        try:
+            node_config = DHTNodeConfig(initial_peers=config.bootstrap, host_maddrs=config.host_maddrs,
+                                        announce_maddrs=config.announce_maddrs, identity_path=config.identity_path,
+                                        client_mode=config.client_mode, start_timeout=config.join_timeout)
+        except ValueError as e:
+            raise UserError(f"{e}; copy the bootstrap's address as run_bootstrap.py prints it.") from e
         try:
             self.dht, self.validator = await asyncio.to_thread(open_dht, node_config)
         except BootstrapError as e:

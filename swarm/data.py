@@ -71,7 +71,7 @@ class TokenSampler:
     def sample(self, batch_size: int, *, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A microbatch: int64 ``inputs`` and ``targets`` of shape ``(batch_size, seq_len)``."""
         tokens = self.val_tokens if validation else self.train_tokens
-        starts = self._rng.integers(0, len(tokens) - self.seq_len - 1, size=batch_size)
+        starts = self._rng.integers(0, len(tokens) - self.seq_len, size=batch_size)  # last start: len - seq_len - 1
         windows = np.stack([tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         return torch.from_numpy(windows[:, :-1]), torch.from_numpy(windows[:, 1:])
 

@@ -73,6 +73,7 @@ class Stage:
         self.counters = StageCounters()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._in_flight: set[str] = set()  # ids between forward() and backward()/drop()
         self._gate = asyncio.Event()
         self._gate.set()
         self._idle = asyncio.Condition()
@@ -104,12 +105,18 @@ class Stage:
 
     async def forward(self, mb_id: str, inputs: torch.Tensor) -> torch.Tensor:
         """Forward of a first or middle stage; keeps the graph until :meth:`backward` or :meth:`drop`."""
-        if mb_id in self._graphs:
+        if mb_id in self._in_flight:
             raise ValueError(f"microbatch {mb_id} is already in flight here")
-        await self._enter()
+        self._in_flight.add(mb_id)  # reserved before the first await: a concurrent duplicate is refused
+        try:
+            await self._enter()
+        except BaseException:
+            self._in_flight.discard(mb_id)
+            raise
         try:
             outputs = await self.run(self._forward_sync, mb_id, inputs)
         except BaseException:
+            self._in_flight.discard(mb_id)
             await self._leave()
             raise
         return outputs
@@ -121,14 +128,17 @@ class Stage:
         try:
             return await self.run(self._backward_sync, mb_id, grad_outputs)
         finally:
+            self._in_flight.discard(mb_id)
             await self._leave()
 
     async def drop(self, mb_id: str) -> None:
         """Release a held graph whose microbatch will not come back (its gradient is discarded)."""
-        if self._graphs.pop(mb_id, None) is not None:
+        if mb_id in self._in_flight:
+            self._in_flight.discard(mb_id)
+            self._graphs.pop(mb_id, None)
             await self._leave()
 
-    async def forward_loss_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
+    async def forward_loss_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         """Last stage: forward, loss, backward in one go; returns the loss and the input gradient."""
         await self._enter()
         try:
@@ -162,7 +172,7 @@ class Stage:
             self._gate.set()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Parameters and optimizer state as named CPU tensors (call on the compute thread)."""
+        """Parameters, optimizer state and the stage's identity as named CPU tensors (compute thread)."""
         state = {f"model.{k}": v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         names = {id(p): n for n, p in self.model.named_parameters()}
         for group in self.optimizer.param_groups:
@@ -170,10 +180,15 @@ class Stage:
                 for key, value in self.optimizer.state.get(param, {}).items():
                     state[f"optim.{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().clone()
         state["counters.num_steps"] = torch.tensor(self.counters.num_steps, dtype=torch.int64)
+        state["stage.layers"] = torch.tensor([self.index, *self.spec.stage_layers[self.index]], dtype=torch.int64)
         return state
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
-        """Inverse of :meth:`state_tensors` (call on the compute thread); raises ValueError on mismatch."""
+        """Inverse of :meth:`state_tensors` (compute thread). Checks everything first, then loads:
+        on ``ValueError`` the stage is unchanged."""
+        identity = torch.tensor([self.index, *self.spec.stage_layers[self.index]], dtype=torch.int64)
+        if "stage.layers" not in state or not torch.equal(state["stage.layers"], identity):
+            raise ValueError(f"the state is not of stage {self.index} (layers {list(self.spec.stage_layers[self.index])})")
         model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
         expected = self.model.state_dict()
         if set(model_state) != set(expected):
@@ -181,20 +196,30 @@ class Stage:
         for name, value in model_state.items():
             if value.shape != expected[name].shape or value.dtype != expected[name].dtype:
                 raise ValueError(f"downloaded {name} is {value.dtype}{list(value.shape)}, expected {list(expected[name].shape)}")
+        optim_state = self._parse_optimizer_state(state)
+        steps = state.get("counters.num_steps", torch.tensor(0))
+        if steps.dim() != 0 or steps.dtype != torch.int64 or int(steps) < 0:
+            raise ValueError("downloaded step counter is not a non-negative integer")
         self.model.load_state_dict(model_state)
-        optim_state: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in state.items():
-            if key.startswith("optim."):
-                param_name, entry = key[len("optim."):].rsplit(".", 1)
-                optim_state.setdefault(param_name, {})[entry] = value
         params = dict(self.model.named_parameters())
-        if not set(optim_state) <= set(params):
-            raise ValueError("downloaded optimizer state names parameters this stage does not have")
         for name, entries in optim_state.items():
             self.optimizer.state[params[name]] = {
                 k: v.clone() if k == "step" else v.to(self.device) for k, v in entries.items()
             }
-        self.counters.num_steps = int(state.get("counters.num_steps", torch.tensor(0)))
+        self.counters.num_steps = int(steps)
+
+    def _parse_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        params = dict(self.model.named_parameters())
+        optim_state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            if key.startswith("optim."):
+                param_name, entry = key[len("optim."):].rsplit(".", 1)
+                if param_name not in params:
+                    raise ValueError(f"downloaded optimizer state names an unknown parameter {param_name!r}")
+                if entry != "step" and value.shape != params[param_name].shape:
+                    raise ValueError(f"downloaded optimizer state {key} has shape {list(value.shape)}")
+                optim_state.setdefault(param_name, {})[entry] = value
+        return optim_state
 
     def params_digest(self) -> str:
         """A short hash of the parameters' bytes (call on the compute thread)."""
@@ -242,12 +267,14 @@ class Stage:
         self._count_accumulated(inputs.shape[0])
         return inputs.grad.detach().cpu() if inputs.is_floating_point() else None
 
-    def _forward_loss_backward_sync(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
-        inputs = inputs.to(self.device).requires_grad_(True)
+    def _forward_loss_backward_sync(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        inputs = inputs.to(self.device)
+        if inputs.is_floating_point():  # token ids of a single-stage run need no gradient
+            inputs.requires_grad_(True)
         loss = next_token_loss(self.model(inputs), targets.to(self.device))
         loss.backward()
         self._count_accumulated(inputs.shape[0])
-        return float(loss.detach()), inputs.grad.detach().cpu()
+        return float(loss.detach()), inputs.grad.detach().cpu() if inputs.requires_grad else None
 
     def _count_accumulated(self, batch_size: int) -> None:
         # on the compute thread, where the gradients accumulate: the step's divisor is exact
