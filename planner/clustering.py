@@ -61,13 +61,15 @@ def nearest_cluster_delay(edges: np.ndarray, clusters: list[np.ndarray]) -> floa
 
 def cluster_devices(
     edges: np.ndarray, flops: np.ndarray, model: ModelProfile, *, devices: np.ndarray,
-    max_clusters: int, patience: int = 2,
+    max_clusters: int, min_clusters: int = 1, patience: int = 2,
 ) -> tuple[list[list[np.ndarray]], int]:
     """Divisive clustering levels of ``devices`` (indices into ``edges`` and ``flops``).
 
     Returns:
         (levels, chosen): ``levels[p - 1]`` holds the p clusters of level p, each sorted;
-        ``levels[chosen]`` is the level seed 000's stop rule picks.
+        ``levels[chosen]`` is the level seed 000's stop rule picks. Levels with fewer than
+        ``min_clusters`` clusters (too few stages to hold the model) score as infinite and do not
+        count towards ``patience``.
     """
     devices = np.sort(np.asarray(devices, dtype=np.int64))
     if devices.size == 0:
@@ -76,6 +78,8 @@ def cluster_devices(
     clusters = [devices]
     levels = [list(clusters)]
     best_delay = approximate_pipeline_delay(model, total_flops, num_clusters=1, max_link_delay=0.0)
+    if min_clusters > 1:
+        best_delay = float("inf")
     chosen, rises = 0, 0
     while len(clusters) < min(max_clusters, devices.size) and rises < patience:
         widest = max(range(len(clusters)), key=lambda i: (diameter(edges, clusters[i]), -i))
@@ -89,6 +93,8 @@ def cluster_devices(
             model, total_flops, num_clusters=len(clusters),
             max_link_delay=nearest_cluster_delay(edges, clusters),
         )
+        if len(clusters) < min_clusters:
+            continue
         if delay < best_delay:
             best_delay, chosen, rises = delay, len(levels) - 1, 0
         else:

@@ -130,6 +130,47 @@ def fill_workload(
     return (float(finish.max()) if finish.size else 0.0), shares
 
 
+def fill_workloads(
+    offset_delays: np.ndarray, per_sample_delays: np.ndarray, caps: np.ndarray, num_samples: float
+) -> np.ndarray:
+    """``fill_workload`` for many problems at once: rows of ``per_sample_delays`` and ``caps``.
+
+    All rows share the offsets, so one sort serves every row; clamping at the caps repeats until
+    no row exceeds a cap (rarely more than a few passes). Returns the finish time of each row.
+    """
+    num_rows, _ = per_sample_delays.shape
+    order = np.argsort(offset_delays, kind="stable")
+    a = offset_delays[order]
+    inverse_b = 1.0 / per_sample_delays[:, order]
+    caps = caps[:, order]
+    active = caps > 0
+    fixed = np.zeros_like(inverse_b)
+    remaining = np.full(num_rows, float(num_samples))
+    next_offsets = np.append(a[1:], np.inf)
+    shares = np.zeros_like(inverse_b)
+    pending = np.ones(num_rows, dtype=bool)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        while np.any(pending):
+            weight = np.where(active, inverse_b, 0.0)
+            levels = (remaining[:, None] + np.cumsum(weight * a, axis=1)) / np.cumsum(weight, axis=1)
+            stop = np.argmax(levels <= next_offsets[None, :], axis=1)
+            level = levels[np.arange(num_rows), stop]
+            trial = np.where(active, np.maximum(level[:, None] - a[None, :], 0.0) * inverse_b, 0.0)
+            over = active & (trial > caps) & pending[:, None]
+            done = pending & ~np.any(over, axis=1)
+            shares[done] = fixed[done] + trial[done]
+            fixed[over] = caps[over]
+            remaining -= np.where(over, caps, 0.0).sum(axis=1)
+            active &= ~over
+            pending &= ~done
+            starved = pending & ~np.any(active, axis=1)
+            shares[starved] = np.nan
+            pending &= ~starved
+    finish = np.where(shares > 0, a[None, :] + shares / inverse_b, 0.0).max(axis=1)
+    infeasible = np.isnan(shares).any(axis=1) | (shares.sum(axis=1) < num_samples * (1 - 1e-9))
+    return np.where(infeasible, np.inf, finish)
+
+
 def estimate_stage_delay(
     model: ModelProfile, group: StageGroup, layer_start: int, layer_end: int, *, num_inflight: int
 ) -> tuple[float, np.ndarray]:

@@ -13,7 +13,7 @@ import numpy as np
 
 from planner.assembly import assemble_plan
 from planner.costs import count_inflight, profile_group
-from planner.layer_split import build_cost_matrix, build_link_terms, split_by_matrices
+from planner.layer_split import build_cost_matrix, build_link_terms, compute_range_delays, split_by_matrices
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
 
@@ -28,6 +28,7 @@ class ArrangementScorer:
         self.num_evaluations = 0
         self._delays: dict[tuple, np.ndarray] = {}
         self._links: dict[tuple, np.ndarray] = {}
+        self._ranges: dict[tuple, float] = {}
         model = snapshot.model
         self._out_bytes = model.microbatch_size * np.asarray((0.0,) + model.layer_activation_bytes)
 
@@ -54,6 +55,56 @@ class ArrangementScorer:
             row = (fixed + per_byte * self._out_bytes)[None, :]
             self._links[key] = row
         return row
+
+    def range_delay(
+        self, servers: tuple[int, ...], clients: tuple[int, ...], inflight: int, start: int, end: int
+    ) -> float:
+        """Stage delay of one layer range, without building the whole matrix."""
+        matrix = self._delays.get((servers, clients, inflight))
+        if matrix is not None:
+            return float(matrix[start, end])
+        key = (servers, clients, inflight, start, end)
+        delay = self._ranges.get(key)
+        if delay is None:
+            group = profile_group(
+                self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64)
+            )
+            delay = float(compute_range_delays(
+                self.snapshot.model, group, np.array([start]), np.array([end]), num_inflight=inflight
+            )[0])
+            self._ranges[key] = delay
+        return delay
+
+    def stage_cost(self, arrangement: Arrangement, bounds: tuple[int, ...], k: int) -> float:
+        """Cost of stage k (delay plus outgoing link) with the layer boundaries held fixed."""
+        num_stages = len(arrangement)
+        servers, clients = arrangement[k]
+        inflight = count_inflight(k, num_stages, self.snapshot.model.num_microbatches)
+        start = bounds[k - 1] if k > 0 else 0
+        cost = self.range_delay(servers, clients, inflight, start, bounds[k])
+        if k + 1 < num_stages:
+            cost += float(self.link_row(servers, arrangement[k + 1][0])[0, bounds[k]])
+        return cost
+
+    def score_with_bounds(
+        self, arrangement: Arrangement, bounds: tuple[int, ...], *,
+        base: tuple[Arrangement, np.ndarray] | None = None,
+    ) -> float:
+        """Bottleneck seconds with the layer boundaries held fixed.
+
+        ``base`` is an arrangement of the same length with its per-stage costs: only the stages
+        whose members, or whose successor's servers, differ from it are recomputed.
+        """
+        num_stages = len(arrangement)
+        if base is None or len(base[0]) != num_stages:
+            return max(self.stage_cost(arrangement, bounds, k) for k in range(num_stages))
+        previous, costs = base
+        worst = 0.0
+        for k in range(num_stages):
+            changed = arrangement[k] != previous[k]
+            changed |= k + 1 < num_stages and arrangement[k + 1][0] != previous[k + 1][0]
+            worst = max(worst, self.stage_cost(arrangement, bounds, k) if changed else float(costs[k]))
+        return worst
 
     def stage_matrices(self, arrangement: Arrangement) -> list[np.ndarray]:
         """Per-stage cost matrices (stage delay plus outgoing link) of ``arrangement``."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.costs import StageGroup, count_inflight, estimate_stage_delay
+from planner.costs import StageGroup, count_inflight, fill_workloads
 from planner.snapshot import ModelProfile, SwarmSnapshot
 
 
@@ -31,41 +31,45 @@ def build_link_terms(snapshot: SwarmSnapshot, senders: np.ndarray, receivers: np
     return fixed, per_byte
 
 
+def compute_range_delays(
+    model: ModelProfile, group: StageGroup, starts: np.ndarray, ends: np.ndarray, *, num_inflight: int
+) -> np.ndarray:
+    """Stage delay ``DT`` of the group for each layer range [starts[r], ends[r]), vectorised.
+
+    The same model as ``costs.estimate_stage_delay``; inf where a server cannot hold the range.
+    """
+    prefix_flops = np.concatenate([[0.0], np.cumsum(model.layer_flops)])
+    prefix_params = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes)])
+    prefix_acts = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes)])
+    outputs = np.asarray((0.0,) + model.layer_activation_bytes)
+    a, b = np.asarray(starts), np.asarray(ends)
+    weights = (prefix_params[b] - prefix_params[a]) * (1.0 + model.optimizer_bytes_per_param_byte)
+    activations = (prefix_acts[b] - prefix_acts[a]) * max(num_inflight, 1)
+    boundary = outputs[b] + np.where(a > 0, outputs[a], 0.0)
+    per_sample = (prefix_flops[b] - prefix_flops[a])[:, None] / group.flops[None, :]
+    per_sample = np.maximum(per_sample + boundary[:, None] * group.inverse_bandwidths[None, :], 1e-30)
+    free = np.maximum(group.memory_bytes[None, :] - weights[:, None], 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        caps = np.where(activations[:, None] > 0, free / activations[:, None], np.inf)
+    caps = np.where(group.memory_bytes[None, :] >= weights[:, None], caps, 0.0)
+    delays = fill_workloads(group.offset_delays, per_sample, caps, model.microbatch_size)
+    servers_fit = np.all(group.memory_bytes[None, : group.num_servers] >= weights[:, None], axis=1)
+    return np.where(servers_fit, delays, np.inf)
+
+
 def build_cost_matrix(
     model: ModelProfile, group: StageGroup, *, num_inflight: int, link_terms: tuple[float, float] | None
 ) -> np.ndarray:
     """``cost[a, b]`` = stage delay of layers [a, b) plus the outgoing link; inf where a >= b."""
     num_layers = model.num_layers
+    a, b = np.triu_indices(num_layers + 1, k=1)
     cost = np.full((num_layers + 1, num_layers + 1), np.inf)
-    if group.clients.size == 0:
-        _fill_servers_only(model, group, cost, num_inflight)
-    else:
-        for a in range(num_layers):
-            for b in range(a + 1, num_layers + 1):
-                cost[a, b], _ = estimate_stage_delay(model, group, a, b, num_inflight=num_inflight)
+    cost[a, b] = compute_range_delays(model, group, a, b, num_inflight=num_inflight)
     if link_terms is not None:
         fixed, per_byte = link_terms
-        out_bytes = model.microbatch_size * np.asarray((0.0,) + model.layer_activation_bytes)
-        cost += fixed + per_byte * out_bytes[None, :]
+        outputs = np.asarray((0.0,) + model.layer_activation_bytes)
+        cost += fixed + per_byte * model.microbatch_size * outputs[None, :]
     return cost
-
-
-def _fill_servers_only(model: ModelProfile, group: StageGroup, cost: np.ndarray, num_inflight: int) -> None:
-    """Closed form of ``estimate_stage_delay`` for servers only: ``m F / sum c`` unless memory binds."""
-    prefix_flops = np.concatenate([[0.0], np.cumsum(model.layer_flops)])
-    prefix_params = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes)])
-    prefix_acts = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes)])
-    a, b = np.triu_indices(model.num_layers + 1, k=1)
-    total_flops = float(group.flops.sum())
-    fast = model.microbatch_size * (prefix_flops[b] - prefix_flops[a]) / total_flops
-    weights = (prefix_params[b] - prefix_params[a]) * (1.0 + model.optimizer_bytes_per_param_byte)
-    activations = (prefix_acts[b] - prefix_acts[a]) * num_inflight
-    shares = model.microbatch_size * group.flops[None, :] / total_flops
-    needed = weights[:, None] + activations[:, None] * shares
-    fits = np.all(needed <= group.memory_bytes[None, :], axis=1)
-    cost[a[fits], b[fits]] = fast[fits]
-    for i in np.flatnonzero(~fits):
-        cost[a[i], b[i]], _ = estimate_stage_delay(model, group, int(a[i]), int(b[i]), num_inflight=num_inflight)
 
 
 def split_by_matrices(costs: list[np.ndarray]) -> tuple[tuple[int, ...], float]:
@@ -83,10 +87,9 @@ def split_by_matrices(costs: list[np.ndarray]) -> tuple[tuple[int, ...], float]:
     choice = np.zeros((num_stages + 1, num_layers + 1), dtype=np.int64)
     best[0, 0] = 0.0
     for k in range(1, num_stages + 1):
-        for b in range(k, num_layers - (num_stages - k) + 1):
-            candidates = np.maximum(best[k - 1, :b], costs[k - 1][:b, b])
-            a = int(np.argmin(candidates))
-            best[k, b], choice[k, b] = candidates[a], a
+        candidates = np.maximum(best[k - 1][:, None], costs[k - 1])
+        choice[k] = np.argmin(candidates, axis=0)
+        best[k] = candidates[choice[k], np.arange(num_layers + 1)]
     if not np.isfinite(best[num_stages, num_layers]):
         even = tuple(round(num_layers * (k + 1) / num_stages) for k in range(num_stages))
         return even, float("inf")

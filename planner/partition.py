@@ -40,13 +40,16 @@ class PartitionConfig:
         num_scored_levels: clustering levels scored in full, nearest the stop rule's level first.
         num_anneal_iterations: simulated-annealing steps of the stage-order search.
         num_refined: best candidates handed to the local search.
+        small_swarm_size: swarms of at most this many devices refine every candidate (cheap
+            there, and the restarts escape local minima).
         refinement: budget of the local search.
     """
 
     clustering_patience: int = 3
     num_scored_levels: int = 8
     num_anneal_iterations: int = 3000
-    num_refined: int = 4
+    num_refined: int = 2
+    small_swarm_size: int = 32
     refinement: RefinementConfig = field(default_factory=RefinementConfig)
 
     def __post_init__(self) -> None:
@@ -105,9 +108,13 @@ def build_candidates(
         raise ValueError("a plan needs at least one reliable device to serve as parameter server")
     num_bytes = typical_transfer_bytes(snapshot)
     edges = build_edge_delays(snapshot, num_bytes)
+    model = snapshot.model
+    weight_bytes = sum(model.layer_param_bytes) * (1.0 + model.optimizer_bytes_per_param_byte)
+    typical_memory = float(np.median(snapshot.memory_bytes[reliable]))
+    max_clusters = min(model.num_layers, reliable.size)
     levels, chosen = cluster_devices(
-        edges, snapshot.flops, snapshot.model, devices=reliable,
-        max_clusters=min(snapshot.model.num_layers, reliable.size),
+        edges, snapshot.flops, model, devices=reliable, max_clusters=max_clusters,
+        min_clusters=min(max_clusters, int(np.ceil(weight_bytes / max(typical_memory, 1.0)))),
         patience=config.clustering_patience,
     )
     candidates = []
@@ -141,7 +148,8 @@ def plan_partition(
         scored.append((cost, index, arrangement, bounds))
     scored.sort(key=lambda item: (item[0], item[1]))
     best_cost, _, best_arrangement, best_bounds = scored[0]
-    for cost, _, arrangement, bounds in scored[: config.num_refined]:
+    num_refined = len(scored) if snapshot.num_devices <= config.small_swarm_size else config.num_refined
+    for cost, _, arrangement, bounds in scored[:num_refined]:
         refined, refined_bounds, refined_cost = refine_arrangement(scorer, arrangement, config.refinement)
         if refined_cost < best_cost:
             best_cost, best_arrangement, best_bounds = refined_cost, refined, refined_bounds
