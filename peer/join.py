@@ -19,7 +19,7 @@ from dht.registry import fetch_run_ids, fetch_run_specs
 from peer.errors import UserError
 from planner.stage_choice import Joiner, StageMember, assign_joiners
 from swarm.model import stage_flops_per_sample
-from swarm.rpc import PeerUnavailableError, RemoteError, call_peer, state_handler
+from dht.rpc import PeerUnavailableError, RemoteError, call_peer, state_handler
 from swarm.stage import Stage
 from swarm.view import SwarmView
 

@@ -26,7 +26,7 @@ import torch
 from hivemind.p2p import P2P
 
 from dht.records import PeerRecord
-from swarm.rpc import PeerUnavailableError, RemoteError, call_peer, forward_handler
+from dht.rpc import PeerUnavailableError, RemoteError, call_peer, forward_handler
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.router import NoPeerAvailableError, Router
-from swarm.rpc import forward_handler, state_handler
+from dht.rpc import forward_handler, state_handler
 from swarm.stage import Stage
-from swarm.wire import ProtocolError, read_message, require_tensor, write_message
+from dht.wire import ProtocolError, read_message, require_tensor, write_message
 
 logger = logging.getLogger(__name__)
 MAX_ROUTE_HOPS = 64

@@ -13,7 +13,7 @@ from dht.registry import declare_peer
 from swarm.data import TokenSampler, load_corpus
 from swarm.model import StageModel, next_token_loss
 from swarm.router import NoPeerAvailableError, Router
-from swarm.rpc import RemoteError, call_peer, forward_handler
+from dht.rpc import RemoteError, call_peer, forward_handler
 from swarm.stage import Stage
 from swarm.stage_server import StageServer
 from swarm.trainer import Trainer

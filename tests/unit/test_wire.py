@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import torch
 
-from swarm.wire import (
+from dht.wire import (
     MAX_DIMS,
     MAX_HEADER_BYTES,
     MAX_TENSORS,

@@ -1,6 +1,7 @@
-"""Client side of the stage RPCs, and the typed errors a caller handles.
+"""Request/response calls over hivemind P2P binary streams, and the typed errors a caller handles.
 
-Handler names are namespaced by run: ``<run_id>.forward`` and ``<run_id>.state``. Each call opens a
+Handler names are namespaced by run: ``<run_id>.forward`` and ``<run_id>.state`` (swarm/),
+replication's own handlers likewise. Each call opens a
 binary stream through the local p2p daemon, sends one message, reads one reply, all under one
 deadline. Failures to reach a peer become :class:`PeerUnavailableError`; a peer that answered with a
 refusal becomes :class:`RemoteError`.
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.wire import ProtocolError, read_message, write_message
+from dht.wire import ProtocolError, read_message, write_message
 
 logger = logging.getLogger(__name__)
 
