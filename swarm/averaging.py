@@ -1,12 +1,13 @@
-"""In-stage data parallelism: replicas of a stage average their parameters every period.
+"""In-stage data parallelism: replicas of a stage average their parameters and AdamW moments every period.
 
 Rounds are aligned to the DHT clock: every replica of stage k schedules its round at the next
 multiple of ``averaging_period``, so all of them look for a group at the same moment without
 anyone coordinating. Matchmaking runs in the background (hivemind's ``DecentralizedAverager`` with
 ``require_trigger``) while the stage keeps training; only at the scheduled time does the stage
 pause (drain its in-flight microbatches), copy its parameters in, trigger the all-reduce, and copy
-the average back. After a round every member of the group holds bit-identical parameters
-(averaging runs on float64 copies; see ``__init__``).
+the average back. After a round every member of the group holds a bit-identical training state
+(averaging runs on float64 copies; see ``__init__``), which the stage keeps as its snapshot for
+joiners: every replica serves the same bytes under the same version (the round's time).
 Unreliable peers take part in client mode: they send and receive but host no part of the reduce.
 Averager keys are ``<run_id>_stage<k>``.
 """
@@ -52,7 +53,7 @@ class StageAverager:
         # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
         # parameters that sum is exact in float64, and every replica rounds the same float64 average.
-        params = [p.detach().cpu().to(torch.float64) for p in stage.model.parameters()]
+        params = [t.detach().cpu().to(torch.float64) for t in stage.averaged_tensors()]
         # hivemind 1.1.12's DecentralizedAverager.run_in_background sets SIGINT to SIG_IGN in the
         # *calling* process, which would make Ctrl+C do nothing; put our handler back afterwards.
         sigint_handler = signal.getsignal(signal.SIGINT)
@@ -104,7 +105,7 @@ class StageAverager:
             if not group:
                 self.num_failed_rounds += 1
                 return False
-            digest = await self.stage.run(self._copy_out_and_digest)
+            digest = await self.stage.run(self._copy_out, at)
         self.num_rounds += 1
         logger.info(f"averaged stage {self.stage.index} with {len(group)} replicas (round at {at:.0f}, params {digest})")
         self.on_round(at, len(group), digest)
@@ -115,13 +116,14 @@ class StageAverager:
 
     def _copy_in(self) -> None:
         with self.averager.get_tensors() as tensors, torch.no_grad():
-            for tensor, param in zip(tensors, self.stage.model.parameters()):
-                tensor.copy_(param.detach().cpu())
+            for tensor, live in zip(tensors, self.stage.averaged_tensors(), strict=True):
+                tensor.copy_(live.detach().cpu())
 
-    def _copy_out_and_digest(self) -> str:
+    def _copy_out(self, at: float) -> str:
         with self.averager.get_tensors() as tensors, torch.no_grad():
-            for tensor, param in zip(tensors, self.stage.model.parameters()):
-                param.copy_(tensor.to(param.device))
+            for tensor, live in zip(tensors, self.stage.averaged_tensors(), strict=True):
+                live.copy_(tensor.to(live.device))
+        self.stage.keep_snapshot(version=int(at))
         return self.stage.params_digest()
 
 

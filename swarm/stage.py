@@ -35,6 +35,7 @@ from swarm.model import StageModel, next_token_loss
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 GRAD_CLIP_NORM = 1.0
+OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Stage:
         self.device = device
         self.model = StageModel(spec, stage).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+        self._init_optimizer_state()
+        self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # state frozen at the last averaging round
         self.counters = StageCounters()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -221,6 +224,21 @@ class Stage:
                 optim_state.setdefault(param_name, {})[entry] = value
         return optim_state
 
+    def averaged_tensors(self) -> list[torch.Tensor]:
+        """The live tensors in-stage averaging agrees on, in a fixed order: parameters, then each
+        parameter's AdamW ``exp_avg``, ``exp_avg_sq`` and ``step``. Averaging the moments too makes every
+        replica's whole training state identical after a round, which is what lets several replicas
+        serve one consistent snapshot to a joiner (replication/)."""
+        params = list(self.model.parameters())
+        moments = [self.optimizer.state[p][key] for key in OPTIMIZER_STATE_KEYS for p in params]
+        return params + moments
+
+    def keep_snapshot(self, version: int) -> None:
+        """Freeze the current state as the one replicas serve to joiners (call on the compute thread)."""
+        state = self.state_tensors()
+        del state["counters.num_steps"]  # local bookkeeping, not shared state: replicas differ here
+        self.snapshot = (version, state)
+
     def params_digest(self) -> str:
         """A short hash of the parameters' bytes (call on the compute thread)."""
         digest = hashlib.blake2b(digest_size=12)
@@ -231,6 +249,15 @@ class Stage:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _init_optimizer_state(self) -> None:
+        # AdamW creates its state lazily at the first step; averaging needs the tensors from the start.
+        for param in self.model.parameters():
+            self.optimizer.state[param] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
 
     async def _enter(self) -> None:
         # Re-check after every wake-up: between the gate opening and this task resuming, another

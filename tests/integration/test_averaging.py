@@ -1,4 +1,4 @@
-"""In-stage averaging over real hivemind: replicas hold bit-identical parameters after a round."""
+"""In-stage averaging over real hivemind: replicas hold bit-identical state after a round."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ def test_a_round_leaves_replicas_bit_identical_at_the_mean(dht_nodes, client_mod
         for param, mean in zip(stages[0].model.parameters(), expected):
             torch.testing.assert_close(param.detach(), mean.detach(), rtol=1e-6, atol=1e-6)
         assert [a.num_rounds for a in averagers] == [1, 1]
+        (version_a, state_a), (version_b, state_b) = stages[0].snapshot, stages[1].snapshot
+        assert version_a == version_b and sorted(state_a) == sorted(state_b)
+        assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in state_a)
+        for name in state_a:
+            assert torch.equal(state_a[name], state_b[name]), f"snapshots differ in {name}"
     finally:
         for averager in averagers:
             averager.shutdown()
