@@ -29,7 +29,8 @@ def common_rounds(peers) -> dict[float, set[str]]:
 
 def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
     local_swarm.start_bootstrap("--averaging-period", "6")
-    peers = [local_swarm.start_peer("--num-threads", "1") for _ in range(4)]  # four concurrent joiners
+    roles = ["reliable", "reliable", "reliable", "unreliable"]  # the unreliable one averages in client mode
+    peers = [local_swarm.start_peer("--num-threads", "1", "--role", role) for role in roles]  # concurrent joiners
     wait_for(lambda: all(p.events("status") or not p.is_alive() for p in peers), 150, "four peers to train")
     assert all(p.is_alive() for p in peers)
 
@@ -39,6 +40,8 @@ def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
         joined = peer.events("joined")[0]
         snapshot = [PeerRecord.from_wire(r) for r in joined["snapshot"]]
         assert choose_stage_from_view(spec, snapshot, joined["peer_id"]) == joined["stage"]
+    seen_roles = {r["peer_id"]: r["role"] for p in peers for r in p.events("joined")[0]["snapshot"]}
+    assert seen_roles[peers[3].events("joined")[0]["peer_id"]] == "unreliable"
     by_stage = sorted(stage_of(p) for p in peers)
     assert by_stage == [0, 0, 1, 1], f"concurrent joiners should spread 2 x 2, got {by_stage}"
 
