@@ -12,8 +12,8 @@ and returns its output to the servers, forward and backward::
     T_i(w_i) = 4 alpha_iS + w_i (F_k / c_i + 2 (t_{a-1} + t_{b-1}) / beta_iS)    (i in U)
     DT_k = min over shares with sum w_i = m and w_i <= cap_i of max_{w_i > 0} T_i(w_i)
 
-where ``alpha_iS``, ``beta_iS`` are means over the stage's servers (seed 000 §3.3.3 "average
-delay") and ``cap_i`` is the memory cap below. The min-max is solved exactly by water-filling
+where ``alpha_iS`` and ``1 / beta_iS`` are means over the stage's servers (seed 000 §3.3.3
+"average delay" ``mean_j alpha_ij + t / beta_ij``) and ``cap_i`` is the memory cap below. The min-max is solved exactly by water-filling
 (the continuous form of seed 001 Alg. 1 phase 1: balance by capacity, clamp at memory budgets).
 
 Memory (seed 001 Eq. 3, 1F1B with ``min(K - k, d)`` micro-batches in flight)::
@@ -24,9 +24,16 @@ A server whose ``W_k (1 + o)`` exceeds its memory makes the stage infeasible; a 
 cannot hold the weights gets ``cap_i = 0``.
 
 Pipeline time (seed 000 Eq. 2), with the link k -> k+1 between the servers of both stages,
-segmented over ``n = min(|S_k|, |S_{k+1}|)`` parallel streams (seed 000 §3.2)::
+segmented over ``n = min(|S_k|, |S_{k+1}|)`` parallel streams (seed 000 §3.2); ``alpha`` and
+``1 / beta`` are means over the server pairs (forward: S_k to S_{k+1}; backward: the reverse)::
 
     PT = d max_k (DT_k + alpha_kf + m t_{b-1} / (n beta_kf) + alpha_kb + m t_{b-1} / (n beta_kb))
+
+Averaging (not in seed 000's model). Eq. 1 drops parameter aggregation because delayed parameter
+updates overlap it with training; it can overlap at most one step, so a step lasts at least the
+averaging time of every stage. Parameter-server averaging ships ``W_k / |S_k|`` from every member
+to each server and back, so ``AT_k = 2 W_k max_i mean_{j in S_k} 1 / beta_ij`` and each stage
+term of Eq. 2 becomes ``max(DT_k + link_k, AT_k / d)``.
 
 Throughput is ``d m / PT`` samples per second. Seed 000 Eq. 3 approximates ``DT_k`` by
 ``m sum_l F_l / (p sum_i c_i)`` when ``p`` clusters share the work evenly.
@@ -53,6 +60,8 @@ class StageGroup:
         memory_bytes: memory of servers then clients.
         offset_delays: fixed per-micro-batch delay of each device (0 for servers, 4 alpha_iS).
         inverse_bandwidths: 2 / beta_iS per device (0 for servers).
+        averaging_per_byte: seconds per parameter byte of one averaging round,
+            ``2 max_i mean_{j in S} 1 / beta_ij`` over members i (0 for a lone device).
     """
 
     servers: np.ndarray
@@ -61,6 +70,7 @@ class StageGroup:
     memory_bytes: np.ndarray
     offset_delays: np.ndarray
     inverse_bandwidths: np.ndarray
+    averaging_per_byte: float = 0.0
 
     @property
     def num_servers(self) -> int:
@@ -81,13 +91,16 @@ def profile_group(snapshot: SwarmSnapshot, servers: np.ndarray, clients: np.ndar
         latency = snapshot.links.latency_delay
         bandwidth = snapshot.links.bandwidth
         alpha = (latency[np.ix_(clients, servers)] + latency[np.ix_(servers, clients)].T) / 2
-        beta = (bandwidth[np.ix_(clients, servers)] + bandwidth[np.ix_(servers, clients)].T) / 2
+        per_byte = (1.0 / bandwidth[np.ix_(clients, servers)] + 1.0 / bandwidth[np.ix_(servers, clients)].T) / 2
         offsets[servers.size:] = 4.0 * alpha.mean(axis=1)
-        inverse[servers.size:] = 2.0 / beta.mean(axis=1)
+        inverse[servers.size:] = 2.0 * per_byte.mean(axis=1)
+    averaging = 0.0
+    if members.size > 1:
+        averaging = 2.0 * float((1.0 / snapshot.links.bandwidth[np.ix_(members, servers)]).mean(axis=1).max())
     return StageGroup(
         servers=servers, clients=clients, flops=snapshot.flops[members],
         memory_bytes=snapshot.memory_bytes[members], offset_delays=offsets,
-        inverse_bandwidths=inverse,
+        inverse_bandwidths=inverse, averaging_per_byte=averaging,
     )
 
 
@@ -194,6 +207,12 @@ def estimate_stage_delay(
     return fill_workload(group.offset_delays, per_sample, caps, model.microbatch_size)
 
 
+def estimate_averaging_floor(model: ModelProfile, group: StageGroup, layer_start: int, layer_end: int) -> float:
+    """Averaging time of the stage per micro-batch, ``W_k * averaging_per_byte / d`` (see module doc)."""
+    weight_bytes = sum(model.layer_param_bytes[layer_start:layer_end])
+    return weight_bytes * group.averaging_per_byte / model.num_microbatches
+
+
 def estimate_link_delay(
     snapshot: SwarmSnapshot, senders: np.ndarray, receivers: np.ndarray, num_bytes: float
 ) -> float:
@@ -202,9 +221,9 @@ def estimate_link_delay(
     bandwidth = snapshot.links.bandwidth
     num_streams = min(senders.size, receivers.size)
     forward = latency[np.ix_(senders, receivers)].mean()
-    forward += num_bytes / (bandwidth[np.ix_(senders, receivers)].mean() * num_streams)
+    forward += num_bytes / num_streams * (1.0 / bandwidth[np.ix_(senders, receivers)]).mean()
     backward = latency[np.ix_(receivers, senders)].mean()
-    backward += num_bytes / (bandwidth[np.ix_(receivers, senders)].mean() * num_streams)
+    backward += num_bytes / num_streams * (1.0 / bandwidth[np.ix_(receivers, senders)]).mean()
     return float(forward + backward)
 
 
@@ -229,6 +248,7 @@ def estimate_stage_costs(snapshot: SwarmSnapshot, plan: Plan) -> np.ndarray:
         if k + 1 < plan.num_stages:
             num_bytes = model.microbatch_size * model.layer_activation_bytes[stage.layer_end - 1]
             costs[k] += estimate_link_delay(snapshot, group.servers, groups[k + 1].servers, num_bytes)
+        costs[k] = max(costs[k], estimate_averaging_floor(model, group, stage.layer_start, stage.layer_end))
     return costs
 
 

@@ -13,7 +13,9 @@ import numpy as np
 
 from planner.assembly import assemble_plan
 from planner.costs import count_inflight, profile_group
-from planner.layer_split import build_cost_matrix, build_link_terms, compute_range_delays, split_by_matrices
+from planner.layer_split import (
+    build_cost_matrix, build_floor_matrix, build_link_terms, compute_range_delays, split_by_matrices,
+)
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
 
@@ -29,6 +31,7 @@ class ArrangementScorer:
         self._delays: dict[tuple, np.ndarray] = {}
         self._links: dict[tuple, np.ndarray] = {}
         self._ranges: dict[tuple, float] = {}
+        self._floors: dict[tuple, np.ndarray] = {}
         model = snapshot.model
         self._out_bytes = model.microbatch_size * np.asarray((0.0,) + model.layer_activation_bytes)
 
@@ -43,6 +46,18 @@ class ArrangementScorer:
             matrix = build_cost_matrix(self.snapshot.model, group, num_inflight=inflight, link_terms=None)
             self._delays[key] = matrix
         return matrix
+
+    def floor_matrix(self, servers: tuple[int, ...], clients: tuple[int, ...]) -> np.ndarray:
+        """Averaging floor ``AT[a, b] / d`` of the group (``costs`` module doc)."""
+        key = (servers, clients)
+        floor = self._floors.get(key)
+        if floor is None:
+            group = profile_group(
+                self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64)
+            )
+            floor = build_floor_matrix(self.snapshot.model, group)
+            self._floors[key] = floor
+        return floor
 
     def link_row(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> np.ndarray:
         """Link delay to the next stage for every stage end ``b`` (broadcast over ``a``)."""
@@ -84,7 +99,7 @@ class ArrangementScorer:
         cost = self.range_delay(servers, clients, inflight, start, bounds[k])
         if k + 1 < num_stages:
             cost += float(self.link_row(servers, arrangement[k + 1][0])[0, bounds[k]])
-        return cost
+        return max(cost, float(self.floor_matrix(servers, clients)[start, bounds[k]]))
 
     def score_with_bounds(
         self, arrangement: Arrangement, bounds: tuple[int, ...], *,
@@ -115,7 +130,7 @@ class ArrangementScorer:
             matrix = self.stage_matrix(servers, clients, inflight)
             if k + 1 < num_stages:
                 matrix = matrix + self.link_row(servers, arrangement[k + 1][0])
-            matrices.append(matrix)
+            matrices.append(np.maximum(matrix, self.floor_matrix(servers, clients)))
         return matrices
 
     def score(self, arrangement: Arrangement) -> tuple[tuple[int, ...], float]:

@@ -26,8 +26,7 @@ def build_link_terms(snapshot: SwarmSnapshot, senders: np.ndarray, receivers: np
     num_streams = min(senders.size, receivers.size)
     forward, backward = np.ix_(senders, receivers), np.ix_(receivers, senders)
     fixed = float(latency[forward].mean() + latency[backward].mean())
-    per_byte = float(1.0 / (bandwidth[forward].mean() * num_streams))
-    per_byte += float(1.0 / (bandwidth[backward].mean() * num_streams))
+    per_byte = float((1.0 / bandwidth[forward]).mean() + (1.0 / bandwidth[backward]).mean()) / num_streams
     return fixed, per_byte
 
 
@@ -69,7 +68,14 @@ def build_cost_matrix(
         fixed, per_byte = link_terms
         outputs = np.asarray((0.0,) + model.layer_activation_bytes)
         cost += fixed + per_byte * model.microbatch_size * outputs[None, :]
-    return cost
+    return np.maximum(cost, build_floor_matrix(model, group))
+
+
+def build_floor_matrix(model: ModelProfile, group: StageGroup) -> np.ndarray:
+    """``floor[a, b]`` = averaging time per micro-batch of layers [a, b) (``costs`` module doc)."""
+    prefix_params = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes)])
+    floor = prefix_params[None, :] - prefix_params[:, None]
+    return np.maximum(floor, 0.0) * group.averaging_per_byte / model.num_microbatches
 
 
 def split_by_matrices(costs: list[np.ndarray]) -> tuple[tuple[int, ...], float]:

@@ -150,7 +150,7 @@ def plan_partition(
     best_cost, _, best_arrangement, best_bounds = scored[0]
     num_refined = len(scored) if snapshot.num_devices <= config.small_swarm_size else config.num_refined
     for cost, _, arrangement, bounds in scored[:num_refined]:
-        refined, refined_bounds, refined_cost = refine_arrangement(scorer, arrangement, config.refinement)
+        refined, refined_bounds, refined_cost = refine_arrangement(scorer, arrangement, config.refinement, rng=rng)
         if refined_cost < best_cost:
             best_cost, best_arrangement, best_bounds = refined_cost, refined, refined_bounds
     if not np.isfinite(best_cost):

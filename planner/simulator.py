@@ -1,0 +1,311 @@
+"""Discrete-event simulation of one swarm running a plan: pipeline, task pool, links, churn.
+
+Model (seed 000 §3.2 runtime, timed as in §4.1):
+
+* Each step pushes ``d`` micro-batches of ``m`` samples through the stages, forward then
+  backward (forward is 1/3 of a layer's FLOPs, backward 2/3). At most ``max_inflight``
+  micro-batches are in the pipeline at once; devices run backward tasks before forward ones
+  (1F1B priority, seed 001 §3.2).
+* In a stage, a micro-batch is cut into chunks by the water-filling shares of ``costs`` over the
+  members currently known alive; a server computes its chunk, a client also fetches its input from
+  and returns its output to the servers: ``2 alpha + w (F / c + (t_in + t_out) / beta)`` per pass.
+* Between stages, activations and gradients cross a FIFO link per direction: serialisation
+  ``m t / n * mean(1 / beta)`` occupies the link, latency ``mean(alpha)`` is added on top.
+* Churn: each unreliable device disconnects during a step with ``disconnect_probability``, at a
+  uniform time, and is back at the next step (seed 000 §4.1 Case 4). Its unfinished chunks are
+  noticed ``failure_detect_delay`` later; with the task pool they go to the stage's least loaded
+  server, without it (SWARM) the micro-batch restarts from stage 0 and the work done is wasted.
+* Averaging with delayed parameter updates (seed 000 "Aggregation process") overlaps the next
+  step, so a step lasts ``max(pipeline time, averaging time)``; averaging is parameter-server
+  style: every member sends and receives ``W_k / |S_k|`` to and from each server.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.costs import fill_workload
+from planner.plan import Plan
+from planner.snapshot import SwarmSnapshot
+
+FORWARD_FRACTION = 1.0 / 3.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationConfig:
+    """What to simulate.
+
+    Attributes:
+        num_steps: training steps to run.
+        max_inflight: micro-batches in the pipeline at once; 0 means twice the stage count.
+        disconnect_probability: chance that an unreliable device drops during a step.
+        failure_detect_delay: seconds before a vanished device's work is noticed.
+        is_task_pool: True re-queues lost chunks (seed 000); False restarts the micro-batch (SWARM).
+        is_averaging: include the per-stage averaging time.
+    """
+
+    num_steps: int = 3
+    max_inflight: int = 0
+    disconnect_probability: float = 0.0
+    failure_detect_delay: float = 2.0
+    is_task_pool: bool = True
+    is_averaging: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1 or self.max_inflight < 0:
+            raise ValueError("num_steps must be >= 1 and max_inflight >= 0")
+        if not 0.0 <= self.disconnect_probability <= 1.0:
+            raise ValueError("disconnect_probability must lie in [0, 1]")
+        if self.failure_detect_delay < 0:
+            raise ValueError("failure_detect_delay must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationResult:
+    """Outcome of a simulation.
+
+    Attributes:
+        throughput: samples per second over all steps.
+        step_delays: seconds per step.
+        num_lost_chunks: chunks lost to disconnections.
+        num_restarts: micro-batches restarted from stage 0 (no task pool).
+    """
+
+    throughput: float
+    step_delays: tuple[float, ...]
+    num_lost_chunks: int
+    num_restarts: int
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _StageModel:
+    """Per-stage constants the event loop needs."""
+
+    members: np.ndarray  # device indices, servers first
+    num_servers: int
+    flops_per_sample: float  # forward plus backward
+    boundary_bytes: float  # t_in + t_out per sample
+    client_latency: np.ndarray  # mean alpha to the servers (0 for servers)
+    client_per_byte: np.ndarray  # mean 1 / beta to the servers (0 for servers)
+    averaging_delay: float
+
+
+def _build_stage_models(snapshot: SwarmSnapshot, plan: Plan) -> list[_StageModel]:
+    model = snapshot.model
+    latency, bandwidth = snapshot.links.latency_delay, 1.0 / snapshot.links.bandwidth
+    stages = []
+    for stage in plan.stages:
+        servers = snapshot.indices_of(stage.server_ids)
+        members = np.concatenate([servers, snapshot.indices_of(stage.client_ids)])
+        alpha = latency[np.ix_(members, servers)].mean(axis=1)
+        per_byte = bandwidth[np.ix_(members, servers)].mean(axis=1)
+        alpha[: servers.size], per_byte[: servers.size] = 0.0, 0.0
+        weight_bytes = sum(model.layer_param_bytes[stage.layer_start:stage.layer_end])
+        # Each member ships W / |S| to each of |S| servers and gets as much back: 2 W mean(1/beta).
+        to_servers = bandwidth[np.ix_(members, servers)]
+        averaging = 2.0 * weight_bytes * to_servers.mean(axis=1).max() if members.size > 1 else 0.0
+        boundary = model.layer_activation_bytes[stage.layer_end - 1]
+        boundary += model.layer_activation_bytes[stage.layer_start - 1] if stage.layer_start > 0 else 0.0
+        stages.append(_StageModel(
+            members=members, num_servers=int(servers.size),
+            flops_per_sample=sum(model.layer_flops[stage.layer_start:stage.layer_end]),
+            boundary_bytes=boundary, client_latency=alpha, client_per_byte=per_byte,
+            averaging_delay=float(averaging),
+        ))
+    return stages
+
+
+def _build_links(snapshot: SwarmSnapshot, plan: Plan) -> list[tuple[float, float, float, float]]:
+    """Per boundary k -> k+1: (forward latency, forward seconds per byte, backward ..., ...)."""
+    latency, per_byte = snapshot.links.latency_delay, 1.0 / snapshot.links.bandwidth
+    links = []
+    for left, right in zip(plan.stages[:-1], plan.stages[1:]):
+        senders, receivers = snapshot.indices_of(left.backward_ids), snapshot.indices_of(right.frontal_ids)
+        streams = min(senders.size, receivers.size)
+        forward, backward = np.ix_(senders, receivers), np.ix_(receivers, senders)
+        links.append((
+            float(latency[forward].mean()), float(per_byte[forward].mean()) / streams,
+            float(latency[backward].mean()), float(per_byte[backward].mean()) / streams,
+        ))
+    return links
+
+
+class _StepRun:
+    """Event loop of one step. Tasks are ``(mb, generation, stage, direction, samples)``."""
+
+    def __init__(
+        self, snapshot: SwarmSnapshot, stages: list[_StageModel], links: list, config: SimulationConfig
+    ) -> None:
+        self.flops = snapshot.flops
+        self.model = snapshot.model
+        self.stages, self.links, self.config = stages, links, config
+        self.time, self.events, self.sequence = 0.0, [], 0
+        devices = [int(i) for stage in stages for i in stage.members]
+        self.queue: dict[int, list] = {i: [] for i in devices}
+        self.busy: dict[int, tuple | None] = {i: None for i in devices}
+        self.epoch = {i: 0 for i in devices}
+        self.down: set[int] = set()
+        self.known_down: set[int] = set()
+        self.detect_time: dict[int, float] = {}
+        self.stage_of = {int(i): k for k, stage in enumerate(stages) for i in stage.members}
+        self.link_free = [[0.0, 0.0] for _ in links]
+        self.pending: dict[tuple, int] = {}
+        self.generation = [0] * self.model.num_microbatches
+        self.num_done = self.num_lost = self.num_restarts = 0
+        self.next_microbatch = 0
+
+    def push(self, time: float, kind: str, *payload: object) -> None:
+        self.sequence += 1
+        heapq.heappush(self.events, (time, self.sequence, kind, payload))
+
+    def run(self, disconnects: list[tuple[float, int]]) -> float:
+        """Runs the step to its last micro-batch; returns the pipeline time in seconds."""
+        max_inflight = self.config.max_inflight or 2 * len(self.stages)
+        for _ in range(min(max_inflight, self.model.num_microbatches)):
+            self.inject()
+        for time, device in disconnects:
+            self.push(time, "disconnect", device)
+        while self.num_done < self.model.num_microbatches:
+            self.time, _, kind, payload = heapq.heappop(self.events)
+            getattr(self, f"on_{kind}")(*payload)
+        return self.time
+
+    def inject(self) -> None:
+        mb = self.next_microbatch
+        self.next_microbatch += 1
+        self.start_stage(mb, self.generation[mb], 0, 0)
+
+    def task_delay(self, device: int, task: tuple) -> float:
+        mb, _, k, direction, samples = task
+        stage = self.stages[k]
+        position = int(np.flatnonzero(stage.members == device)[0])
+        fraction = FORWARD_FRACTION if direction == 0 else 1.0 - FORWARD_FRACTION
+        per_sample = stage.flops_per_sample * fraction / self.flops[device]
+        per_sample += stage.boundary_bytes * stage.client_per_byte[position]
+        return 2.0 * stage.client_latency[position] + samples * per_sample
+
+    def start_stage(self, mb: int, gen: int, k: int, direction: int) -> None:
+        stage = self.stages[k]
+        alive = np.array([int(i) not in self.known_down for i in stage.members])
+        fraction = FORWARD_FRACTION if direction == 0 else 1.0 - FORWARD_FRACTION
+        per_sample = stage.flops_per_sample * fraction / self.flops[stage.members]
+        per_sample = np.maximum(per_sample + stage.boundary_bytes * stage.client_per_byte, 1e-30)
+        caps = np.where(alive, np.inf, 0.0)
+        _, shares = fill_workload(2.0 * stage.client_latency, per_sample, caps, self.model.microbatch_size)
+        chunks = [(int(d), float(w)) for d, w in zip(stage.members, shares) if w > 1e-12]
+        self.pending[(mb, gen, k, direction)] = len(chunks)
+        for device, samples in chunks:
+            self.enqueue(device, (mb, gen, k, direction, samples))
+
+    def enqueue(self, device: int, task: tuple) -> None:
+        if device in self.down:  # handed to a device that vanished before anyone noticed
+            self.push(max(self.time, self.detect_time[device]), "detect", device, [task])
+            return
+        priority = (1 - task[3], task[0])  # backward first, then the oldest micro-batch
+        self.sequence += 1
+        heapq.heappush(self.queue[device], (priority, self.sequence, task))
+        self.try_start(device)
+
+    def try_start(self, device: int) -> None:
+        if self.busy[device] is not None or device in self.down or not self.queue[device]:
+            return
+        _, _, task = heapq.heappop(self.queue[device])
+        self.busy[device] = task
+        self.push(self.time + self.task_delay(device, task), "done", device, self.epoch[device], task)
+
+    def on_done(self, device: int, epoch: int, task: tuple) -> None:
+        if epoch != self.epoch[device]:
+            return
+        self.busy[device] = None
+        mb, gen, k, direction, _ = task
+        if gen == self.generation[mb]:
+            key = (mb, gen, k, direction)
+            self.pending[key] -= 1
+            if self.pending[key] == 0:
+                self.finish_stage(mb, gen, k, direction)
+        self.try_start(device)
+
+    def finish_stage(self, mb: int, gen: int, k: int, direction: int) -> None:
+        last = len(self.stages) - 1
+        if direction == 0 and k == last:
+            self.start_stage(mb, gen, k, 1)
+        elif direction == 1 and k == 0:
+            self.num_done += 1
+            if self.next_microbatch < self.model.num_microbatches:
+                self.inject()
+        else:
+            boundary = k if direction == 0 else k - 1
+            latency, per_byte = self.links[boundary][2 * direction: 2 * direction + 2]
+            layer_end = self.layer_ends[boundary]
+            num_bytes = self.model.microbatch_size * self.model.layer_activation_bytes[layer_end - 1]
+            start = max(self.time, self.link_free[boundary][direction])
+            self.link_free[boundary][direction] = start + num_bytes * per_byte
+            target = k + 1 if direction == 0 else k - 1
+            self.push(self.link_free[boundary][direction] + latency, "arrive", mb, gen, target, direction)
+
+    def on_arrive(self, mb: int, gen: int, k: int, direction: int) -> None:
+        if gen == self.generation[mb]:
+            self.start_stage(mb, gen, k, direction)
+
+    def on_disconnect(self, device: int) -> None:
+        if device in self.down:
+            return
+        self.down.add(device)
+        self.epoch[device] += 1
+        lost = [task for _, _, task in self.queue[device]]
+        if self.busy[device] is not None:
+            lost.append(self.busy[device])
+        self.queue[device], self.busy[device] = [], None
+        self.detect_time[device] = self.time + self.config.failure_detect_delay
+        self.push(self.detect_time[device], "detect", device, lost)
+
+    def on_detect(self, device: int, lost: list) -> None:
+        self.known_down.add(device)
+        for task in lost:
+            mb, gen, k, _, _ = task
+            if gen != self.generation[mb]:
+                continue
+            self.num_lost += 1
+            if self.config.is_task_pool:
+                stage = self.stages[k]
+                servers = [int(s) for s in stage.members[: stage.num_servers]]
+                target = min(servers, key=lambda s: (len(self.queue[s]) + (self.busy[s] is not None), s))
+                self.enqueue(target, task)
+            else:
+                self.generation[mb] += 1
+                self.num_restarts += 1
+                self.start_stage(mb, self.generation[mb], 0, 0)
+
+
+def simulate_plan(
+    snapshot: SwarmSnapshot, plan: Plan, config: SimulationConfig, *, rng: np.random.Generator
+) -> SimulationResult:
+    """Simulates ``config.num_steps`` steps of ``plan`` on ``snapshot``; churn drawn from ``rng``."""
+    plan.check_fits(snapshot)
+    stages = _build_stage_models(snapshot, plan)
+    links = _build_links(snapshot, plan)
+    unreliable = sorted({int(i) for s in stages for i in s.members} & set(snapshot.unreliable_indices()))
+    averaging = max(s.averaging_delay for s in stages) if config.is_averaging else 0.0
+    step_delays: list[float] = []
+    num_lost = num_restarts = 0
+    horizon = None
+    for _ in range(config.num_steps):
+        run = _StepRun(snapshot, stages, links, config)
+        run.layer_ends = [s.layer_end for s in plan.stages]
+        disconnects = []
+        for device in unreliable:
+            if rng.random() < config.disconnect_probability:
+                disconnects.append((float(rng.uniform(0.0, horizon if horizon else 1.0)), device))
+        pipeline_delay = run.run(disconnects)
+        step_delays.append(max(pipeline_delay, averaging))
+        horizon = pipeline_delay
+        num_lost += run.num_lost
+        num_restarts += run.num_restarts
+    samples = config.num_steps * snapshot.model.batch_size
+    return SimulationResult(
+        throughput=samples / sum(step_delays), step_delays=tuple(step_delays),
+        num_lost_chunks=num_lost, num_restarts=num_restarts,
+    )
