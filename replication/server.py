@@ -1,0 +1,263 @@
+"""The donor's side of state replication: manifests, shards and link probes over hivemind P2P.
+
+Seed 003 §III: a joiner pulls its stage's state w from several neighbours at once, each sending
+the shards the joiner's plan (Alg. 1 + Alg. 2) assigns to it. A donor answers three RPCs, each a
+binary-stream handler namespaced by run (``<run_id>.manifest``, ``.shard``, ``.probe``):
+
+* ``rpc_manifest`` {"stage", "shard_bytes", "version"?} -> {"ok", "manifest": Manifest.to_wire()}.
+  Without "version" it snapshots the state now (``snapshot_fn``); with it, it re-describes a
+  version it still holds at another shard size, so a joiner can pin the version it verified.
+* ``rpc_shard`` {"stage", "version", "shard_bytes", "index"} -> {"ok", "index", "nbytes"} + the
+  shard's bytes (``pack_bytes``).
+* ``rpc_probe`` {"nbytes": n <= 4 MiB} -> n zero bytes: the joiner measures d_u (t^prop, a tiny
+  probe) and b_u (t^trans, the slope to a 1-4 MiB probe) per neighbour.
+
+The state bytes of a version are copied once (``build_manifest``) and kept for the last
+``max_cached`` versions, so the donor keeps serving a frozen version while it trains on. All
+replicas of a stage hold bit-identical state after an averaging round, so every donor builds the
+same manifest for the same (version, shard_bytes) and the joiner can compare them.
+
+Every request is validated (``ProtocolError``/``ValueError``, never ``assert``); a bad one is
+refused with a logged reason and the donor keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P
+
+from dht.wire import ProtocolError, read_message, write_message
+from replication.assignment import count_shards
+from replication.manifest import Manifest, build_manifest, hash_shard
+
+__all__ = [
+    "MAX_PROBE_BYTES", "MAX_REQUEST_SHARD_BYTES", "MIN_REQUEST_SHARD_BYTES", "ReplicationServer",
+    "SnapshotFn", "manifest_handler", "pack_bytes", "padded_bytes", "probe_handler", "require_int",
+    "shard_handler", "unpack_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+SnapshotFn = Callable[[], Awaitable[tuple[int, Mapping[str, torch.Tensor]]]]
+MAX_PROBE_BYTES = 4 * 1024 * 1024
+MIN_REQUEST_SHARD_BYTES = 4096  # below this, hashing every shard is a cheap CPU attack
+MAX_REQUEST_SHARD_BYTES = 1 << 30
+MAX_REQUEST_SHARDS = 1 << 20
+_MAX_MANIFESTS_PER_VERSION = 4
+WIRE_WORD_BYTES = 8
+_ZEROS = torch.zeros(MAX_PROBE_BYTES // WIRE_WORD_BYTES, dtype=torch.int64)
+
+
+def manifest_handler(run_id: str) -> str:
+    return f"{run_id}.manifest"
+
+
+def shard_handler(run_id: str) -> str:
+    return f"{run_id}.shard"
+
+
+def probe_handler(run_id: str) -> str:
+    return f"{run_id}.probe"
+
+
+def padded_bytes(nbytes: int) -> int:
+    """Bytes on the wire for ``nbytes`` of payload (see ``pack_bytes``)."""
+    return -(-nbytes // WIRE_WORD_BYTES) * WIRE_WORD_BYTES
+
+
+def pack_bytes(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """Raw bytes as a tensor ``dht.wire`` can send (one copy).
+
+    ``dht.wire`` allow-lists no uint8, so the bytes travel as int64 words, zero-padded to a
+    multiple of 8; the header carries the true length (``unpack_bytes``).
+    """
+    padded = bytearray(padded_bytes(len(data)))
+    padded[: len(data)] = data
+    return torch.frombuffer(padded, dtype=torch.int64) if padded else _ZEROS[:0]
+
+
+def unpack_bytes(tensors: list[torch.Tensor], nbytes: int) -> memoryview:
+    """The ``nbytes`` payload bytes of a ``pack_bytes`` tensor; ProtocolError if it does not fit."""
+    if len(tensors) != 1 or tensors[0].dtype != torch.int64 or tensors[0].dim() != 1:
+        raise ProtocolError("expected one int64 word tensor of raw bytes")
+    if tensors[0].numel() * WIRE_WORD_BYTES != padded_bytes(nbytes):
+        raise ProtocolError(f"{tensors[0].numel()} words do not carry {nbytes} bytes")
+    return memoryview(tensors[0].numpy().view("u1"))[:nbytes]
+
+
+def require_int(header: Mapping[str, Any], key: str, *, low: int = 0, high: int = 2**63 - 1) -> int:
+    """``header[key]`` as an int in [low, high]; raises ProtocolError otherwise (bools are not ints)."""
+    value = header.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError(f"{key!r} must be an int in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+@dataclasses.dataclass
+class _Version:
+    """One frozen version: its state bytes, and its manifests by shard size."""
+
+    data: memoryview
+    manifests: dict[int, Manifest]
+
+
+class ReplicationServer:
+    """Serves this peer's stage state to joiners (seed 003 §III, the neighbour's side)."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        *,
+        run_id: str,
+        stage: int,
+        snapshot_fn: SnapshotFn,
+        request_timeout: float = 30.0,
+        max_cached: int = 2,
+    ) -> None:
+        if request_timeout <= 0 or max_cached < 1:
+            raise ValueError("request_timeout must be > 0 and max_cached >= 1")
+        self.p2p, self.run_id, self.stage = p2p, run_id, stage
+        self.snapshot_fn, self.request_timeout, self.max_cached = snapshot_fn, request_timeout, max_cached
+        self.num_refused = 0
+        self.num_shards_served = 0
+        self._versions: OrderedDict[int, _Version] = OrderedDict()
+        self._build_lock = asyncio.Lock()
+        self._handlers: list[str] = []
+
+    async def start(self) -> None:
+        for name, handler in ((manifest_handler(self.run_id), self.rpc_manifest),
+                              (shard_handler(self.run_id), self.rpc_shard),
+                              (probe_handler(self.run_id), self.rpc_probe)):
+            await self.p2p.add_binary_stream_handler(name, handler)
+            self._handlers.append(name)
+
+    async def shutdown(self) -> None:
+        """Stops serving (idempotent); requests already being answered finish."""
+        while self._handlers:
+            await self.p2p.remove_binary_stream_handler(self._handlers.pop())
+
+    async def __aenter__(self) -> ReplicationServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    async def rpc_manifest(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(reader, writer, self._process_manifest)
+
+    async def rpc_shard(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(reader, writer, self._process_shard)
+
+    async def rpc_probe(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve(reader, writer, self._process_probe)
+
+    async def load_shard(self, version: int, shard_bytes: int, index: int) -> bytes | bytearray | memoryview:
+        """The bytes of shard ``index`` of a held version (an override point for fault tests).
+
+        Raises:
+            ValueError: the version is not held (never built or evicted) or the index is out of range.
+        """
+        held = self._versions.get(version)
+        if held is None:
+            raise ValueError(f"version {version} is not held here (held: {list(self._versions)})")
+        num_shards = count_shards(len(held.data), shard_bytes)
+        if index >= num_shards:
+            raise ValueError(f"shard index {index} out of range 0..{num_shards - 1}")
+        start = index * shard_bytes
+        return held.data[start : start + shard_bytes]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Callable) -> None:
+        reply: dict[str, Any] = {"ok": False}
+        reply_tensors: list[torch.Tensor] = []
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                header, _ = await read_message(reader, max_payload_bytes=0, timeout=self.request_timeout)
+                reply, reply_tensors = await process(header)
+        except (ProtocolError, ValueError, TypeError) as e:
+            self.num_refused += 1
+            logger.warning(f"replication: refused a request: {e}")
+            reply = {"ok": False, "error": str(e)[:500]}
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            logger.debug(f"replication: request abandoned: {e!r}")
+            writer.close()
+            return
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                await write_message(writer, reply, reply_tensors)
+        except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+            logger.debug(f"replication: could not send a reply: {e!r}")
+        finally:
+            writer.close()
+
+    def _require_stage(self, header: Mapping[str, Any]) -> None:
+        if header.get("stage") != self.stage or isinstance(header.get("stage"), bool):
+            raise ValueError(f"asked for stage {header.get('stage')!r:.40}, this peer serves stage {self.stage}")
+
+    def _require_shard_bytes(self, header: Mapping[str, Any]) -> int:
+        return require_int(header, "shard_bytes", low=MIN_REQUEST_SHARD_BYTES, high=MAX_REQUEST_SHARD_BYTES)
+
+    async def _process_manifest(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        self._require_stage(header)
+        shard_bytes = self._require_shard_bytes(header)
+        pinned = None if header.get("version") is None else require_int(header, "version")
+        async with self._build_lock:  # concurrent joiners share one build
+            manifest = await self._describe(shard_bytes, pinned)
+        logger.debug(f"replication: manifest v{manifest.version} s={shard_bytes} served")
+        return {"ok": True, "manifest": manifest.to_wire()}, []
+
+    async def _describe(self, shard_bytes: int, pinned: int | None) -> Manifest:
+        """The manifest of ``pinned`` (or of a fresh snapshot) at ``shard_bytes``, built once."""
+        if pinned is None:
+            version, state = await self.snapshot_fn()
+            if version not in self._versions:
+                manifest, data = await asyncio.to_thread(
+                    build_manifest, state, run_id=self.run_id, stage=self.stage, version=version,
+                    shard_bytes=shard_bytes)
+                self._remember(version, _Version(data, {shard_bytes: manifest}))
+        elif pinned in self._versions:
+            version = pinned
+        else:
+            raise ValueError(f"version {pinned} is no longer held here (held: {list(self._versions)})")
+        held = self._versions[version]
+        self._versions.move_to_end(version)
+        if shard_bytes not in held.manifests:
+            if count_shards(len(held.data), shard_bytes) > MAX_REQUEST_SHARDS:
+                raise ValueError(f"shard_bytes {shard_bytes} makes more than {MAX_REQUEST_SHARDS} shards")
+            base = next(iter(held.manifests.values()))
+            hashes = await asyncio.to_thread(_hash_shards, held.data, shard_bytes)
+            if len(held.manifests) >= _MAX_MANIFESTS_PER_VERSION:
+                held.manifests.pop(next(iter(held.manifests)))
+            held.manifests[shard_bytes] = dataclasses.replace(base, shard_bytes=shard_bytes, shard_hashes=hashes)
+        return held.manifests[shard_bytes]
+
+    def _remember(self, version: int, held: _Version) -> None:
+        self._versions[version] = held
+        while len(self._versions) > self.max_cached:
+            evicted, _ = self._versions.popitem(last=False)
+            logger.info(f"replication: stage {self.stage} version {evicted} evicted from the serving cache")
+
+    async def _process_shard(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        self._require_stage(header)
+        version = require_int(header, "version")
+        shard_bytes = self._require_shard_bytes(header)
+        index = require_int(header, "index")
+        data = await self.load_shard(version, shard_bytes, index)
+        self.num_shards_served += 1
+        logger.debug(f"replication: shard {index} of v{version} ({len(data)} bytes) served")
+        return {"ok": True, "index": index, "nbytes": len(data)}, [pack_bytes(data)]
+
+    async def _process_probe(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        nbytes = require_int(header, "nbytes", high=MAX_PROBE_BYTES)
+        return {"ok": True, "nbytes": nbytes}, [_ZEROS[: padded_bytes(nbytes) // WIRE_WORD_BYTES]]
+
+
+def _hash_shards(data: memoryview, shard_bytes: int) -> tuple[bytes, ...]:
+    return tuple(hash_shard(data[start : start + shard_bytes]) for start in range(0, len(data), shard_bytes))

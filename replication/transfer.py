@@ -1,0 +1,380 @@
+"""The joiner's side of state replication: pull one stage's state from several donors at once.
+
+Seed 003 §III, over hivemind P2P (the donor side is ``replication/server.py``):
+
+1. **Probe** every donor u: a tiny probe gives d_u (t^prop: stream set-up + round trip, what each
+   shard request pays), a ``probe_bytes`` probe gives b_u = (t_big - t_tiny) / probe_bytes
+   (t^trans). Donors are probed one after another: concurrent probes would share the joiner's
+   downlink and CPU and under-rate everyone.
+2. **Agree on the manifest**: ask every probed donor for the manifest (at the largest shard size:
+   few digests, still one hash of every byte); the largest group of identical manifests wins
+   (ties: higher version); donors outside it are dropped and reported. At least
+   ``min_agreeing_donors`` must agree whenever that many answered.
+3. **Plan**: Alg. 1 (``plan_replication``) chooses s over the probed links; the manifest at s is
+   fetched from the agreeing donors, pinned to the agreed version, and compared again.
+4. **Resume**: ``ShardStore.open`` keeps every shard already on disk that verifies.
+5. **Pull**: Alg. 2 (``replan``) assigns the missing shards; one worker per donor pulls its shards
+   in order with up to ``max_in_flight_per_donor`` requests in flight. Each shard is hash-checked
+   (``ShardStore.put_shard``). A donor that fails, stalls past its deadline (``shard_timeout_floor``
+   + ``shard_timeout_slack`` x in-flight x (d_u + s b_u)), refuses, or serves a bad shard is
+   dropped, and its shards go through Alg. 2 again over the survivors, counting when each
+   survivor will be free (f_u, tau^sync).
+6. **Restore** the state from the verified buffer.
+
+With requests pipelined, a donor pays d_u once per ``max_in_flight_per_donor`` shards, so the
+planner is given d_u / max_in_flight_per_donor (docs/replication.md: "a transport that pipelines
+requests should pass a smaller effective d_u").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+from hivemind.p2p import P2P
+
+from dht.rpc import PeerUnavailableError, RemoteError, call_peer
+from dht.wire import ProtocolError
+from replication.assignment import NeighbourLink, SearchConfig, plan_replication, replan
+from replication.manifest import Manifest, ManifestError, ManifestLimits, restore_state
+from replication.server import (
+    MAX_PROBE_BYTES, manifest_handler, padded_bytes, probe_handler, shard_handler, unpack_bytes,
+)
+from replication.shard_store import ShardStore
+
+__all__ = ["PullReport", "PullResult", "TransferConfig", "TransferError", "call_manifest", "call_probe",
+           "call_shard", "pull_state"]
+
+logger = logging.getLogger(__name__)
+
+MIN_PER_BYTE_DELAY = 1e-11  # 100 GB/s: a floor so that loopback noise never gives b_u <= 0
+_DONOR_FAULTS = (PeerUnavailableError, RemoteError, ProtocolError, ManifestError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    """How a joiner pulls state (seed 003 §III); composed into the peer's config.
+
+    Attributes:
+        search: Alg. 1's bounds on the shard size s.
+        max_in_flight_per_donor: shard requests outstanding per donor; raise on high-latency links.
+        probe_bytes: size of the bandwidth probe (bytes, <= 4 MiB); larger is more accurate.
+        num_probe_rounds: probes per donor and size; the fastest is kept (filters scheduler noise).
+        request_timeout: seconds for one probe or manifest call.
+        shard_timeout_floor: seconds added to every shard deadline (covers jitter, GC, disk).
+        shard_timeout_slack: multiplier on a shard's estimated time in its deadline; lower it to
+            drop stalling donors sooner, raise it on links whose speed swings.
+        min_agreeing_donors: manifests that must be identical before any shard is fetched
+            (fewer only when fewer donors answered).
+        manifest_limits: caps on what a donor's manifest may make us allocate.
+    """
+
+    search: SearchConfig = field(default_factory=SearchConfig)
+    max_in_flight_per_donor: int = 2
+    probe_bytes: int = 1024 * 1024
+    num_probe_rounds: int = 2
+    request_timeout: float = 10.0
+    shard_timeout_floor: float = 5.0
+    shard_timeout_slack: float = 4.0
+    min_agreeing_donors: int = 2
+    manifest_limits: ManifestLimits = field(default_factory=ManifestLimits)
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight_per_donor", "num_probe_rounds", "min_agreeing_donors"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.probe_bytes, bool) or not isinstance(self.probe_bytes, int) or not (
+                1 <= self.probe_bytes <= MAX_PROBE_BYTES):
+            raise ValueError(f"probe_bytes must be an int in [1, {MAX_PROBE_BYTES}], got {self.probe_bytes!r}")
+        for name in ("request_timeout", "shard_timeout_floor", "shard_timeout_slack"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if not isinstance(self.search, SearchConfig) or not isinstance(self.manifest_limits, ManifestLimits):
+            raise ValueError("search must be a SearchConfig and manifest_limits a ManifestLimits")
+
+
+@dataclass
+class PullReport:
+    """What happened during one pull (for logs, metrics and tests).
+
+    Attributes:
+        links: donor -> (d_u seconds per request, b_u seconds per byte) as probed.
+        shard_bytes: the s chosen by Alg. 1; num_shards: K.
+        estimated_seconds: Alg. 2's makespan for the shards that were missing at the start.
+        seconds: wall time of the whole pull, probes included.
+        bytes_by_donor / shards_by_donor: verified shard bytes / shards received from each donor.
+        failed_donors: donor -> why it was dropped (probe failure, disagreeing manifest, fault).
+        num_refetched: shards re-assigned to another donor after theirs was dropped.
+        num_resumed: shards already on disk (verified) when the pull started.
+    """
+
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
+    shard_bytes: int = 0
+    num_shards: int = 0
+    estimated_seconds: float = 0.0
+    seconds: float = 0.0
+    bytes_by_donor: dict[str, int] = field(default_factory=dict)
+    shards_by_donor: dict[str, int] = field(default_factory=dict)
+    failed_donors: dict[str, str] = field(default_factory=dict)
+    num_refetched: int = 0
+    num_resumed: int = 0
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """The pulled state (CPU tensors, bit-identical to the donors'), its version and the report."""
+
+    version: int
+    state: dict[str, torch.Tensor]
+    report: PullReport
+
+
+class TransferError(RuntimeError):
+    """The pull could not complete (no donor left, or no agreement); ``report`` says what happened."""
+
+    def __init__(self, message: str, report: PullReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What every call of one pull shares."""
+
+    p2p: P2P
+    run_id: str
+    stage: int
+    config: TransferConfig
+
+
+async def call_probe(p2p: P2P, peer_id: str, *, run_id: str, nbytes: int, timeout: float) -> float:
+    """Seconds for one probe of ``nbytes`` zero bytes from ``peer_id`` (stream set-up included)."""
+    started = time.perf_counter()
+    reply, tensors = await call_peer(p2p, peer_id, probe_handler(run_id), {"nbytes": nbytes},
+                                     timeout=timeout, max_payload_bytes=padded_bytes(nbytes))
+    if reply.get("nbytes") != nbytes:
+        raise ProtocolError(f"{peer_id[-6:]} answered a probe of {nbytes} bytes with something else")
+    unpack_bytes(tensors, nbytes)
+    return time.perf_counter() - started
+
+
+async def call_manifest(request: _Request, peer_id: str, *, shard_bytes: int, version: int | None) -> Manifest:
+    """The donor's manifest at ``shard_bytes`` (of ``version`` if given), checked to be what we asked for."""
+    header: dict[str, Any] = {"stage": request.stage, "shard_bytes": shard_bytes}
+    if version is not None:
+        header["version"] = version
+    config = request.config
+    reply, _ = await call_peer(request.p2p, peer_id, manifest_handler(request.run_id), header,
+                               timeout=config.request_timeout, max_payload_bytes=0)
+    manifest = Manifest.from_wire(reply.get("manifest"), limits=config.manifest_limits)
+    wanted = (request.run_id, request.stage, shard_bytes)
+    if (manifest.run_id, manifest.stage, manifest.shard_bytes) != wanted or version not in (None, manifest.version):
+        raise ManifestError(f"{peer_id[-6:]} sent a manifest for something else than {wanted} v{version}")
+    return manifest
+
+
+async def call_shard(request: _Request, peer_id: str, manifest: Manifest, index: int, *, timeout: float) -> memoryview:
+    """Shard ``index`` of ``manifest`` from ``peer_id`` (not yet hash-checked)."""
+    start, end = manifest.shard_range(index)
+    header = {"stage": request.stage, "version": manifest.version, "shard_bytes": manifest.shard_bytes,
+              "index": index}
+    reply, tensors = await call_peer(request.p2p, peer_id, shard_handler(request.run_id), header,
+                                     timeout=timeout, max_payload_bytes=padded_bytes(end - start))
+    if reply.get("index") != index or reply.get("nbytes") != end - start:
+        raise ProtocolError(f"{peer_id[-6:]} answered shard {index} with something else")
+    return unpack_bytes(tensors, end - start)
+
+
+async def probe_donors(request: _Request, donors: Sequence[str], report: PullReport) -> dict[str, NeighbourLink]:
+    """Seed 003 §III-A's d_u and b_u for each donor that answers; the others go to the report."""
+    config, links = request.config, {}
+    for peer_id in donors:
+        try:
+            tiny, big = float("inf"), float("inf")
+            for _ in range(config.num_probe_rounds):
+                tiny = min(tiny, await call_probe(request.p2p, peer_id, run_id=request.run_id, nbytes=0,
+                                                  timeout=config.request_timeout))
+                big = min(big, await call_probe(request.p2p, peer_id, run_id=request.run_id,
+                                                nbytes=config.probe_bytes, timeout=config.request_timeout))
+        except _DONOR_FAULTS as e:
+            _drop(report, peer_id, f"probe failed: {e}")
+            continue
+        per_byte = max((big - tiny) / config.probe_bytes, MIN_PER_BYTE_DELAY)
+        links[peer_id] = NeighbourLink(peer_id=peer_id, propagation_delay=tiny, per_byte_delay=per_byte)
+        report.links[peer_id] = (tiny, per_byte)
+        logger.debug(f"replication: {peer_id[-6:]} d={tiny * 1e3:.2f} ms, {1e-6 / per_byte:.1f} MB/s")
+    return links
+
+
+def _drop(report: PullReport, peer_id: str, reason: str) -> None:
+    report.failed_donors.setdefault(peer_id, reason)
+    logger.warning(f"replication: dropping donor {peer_id[-6:]}: {reason}")
+
+
+async def agree_on_manifest(
+    request: _Request, donors: Sequence[str], report: PullReport, *, shard_bytes: int, version: int | None
+) -> tuple[list[str], Manifest]:
+    """The manifest the largest group of donors agrees on, and that group (seed 003 §III-A's K).
+
+    Raises:
+        TransferError: no donor answered, or fewer than ``min_agreeing_donors`` agree although
+            that many answered.
+    """
+    async def fetch(peer_id: str) -> Manifest | None:
+        try:
+            return await call_manifest(request, peer_id, shard_bytes=shard_bytes, version=version)
+        except _DONOR_FAULTS as e:
+            _drop(report, peer_id, f"manifest request failed: {e}")
+            return None
+
+    async with asyncio.TaskGroup() as group:
+        tasks = {peer_id: group.create_task(fetch(peer_id)) for peer_id in donors}
+    manifests = {peer_id: task.result() for peer_id, task in tasks.items() if task.result() is not None}
+    groups: dict[bytes, list[str]] = {}
+    for peer_id, manifest in sorted(manifests.items()):
+        groups.setdefault(msgpack.packb(manifest.to_wire()), []).append(peer_id)
+    if not groups:
+        raise TransferError("no donor sent a usable manifest", report)
+    winner = max(groups, key=lambda key: (len(groups[key]), manifests[groups[key][0]].version, key))
+    agreeing, manifest = groups[winner], manifests[groups[winner][0]]
+    for peer_id in sorted(set(manifests) - set(agreeing)):
+        _drop(report, peer_id, f"its manifest (v{manifests[peer_id].version}) disagrees with "
+                               f"{len(agreeing)} donor(s) at v{manifest.version}")
+    if len(agreeing) < min(request.config.min_agreeing_donors, len(manifests)):
+        raise TransferError(f"no {request.config.min_agreeing_donors} donors agree on the manifest", report)
+    return agreeing, manifest
+
+
+async def pull_state(
+    p2p: P2P, donors: Sequence[str], *, run_id: str, stage: int, store_dir: Path, config: TransferConfig
+) -> PullResult:
+    """Pulls stage ``stage``'s state from ``donors`` (seed 003 §III), resuming from ``store_dir``.
+
+    Raises:
+        TransferError: the state could not be completed; its ``report`` says which donor failed how.
+        ValueError: no donors given.
+    """
+    started, report = time.monotonic(), PullReport()
+    donors = sorted(set(donors))
+    if not donors:
+        raise ValueError("pull_state needs at least one donor")
+    request = _Request(p2p, run_id, stage, config)
+    links = await probe_donors(request, donors, report)
+    agreeing, first = await agree_on_manifest(request, sorted(links), report,
+                                              shard_bytes=config.search.max_shard_bytes, version=None)
+    plan = plan_replication(first.total_bytes, [_pipelined(links[p], config) for p in agreeing], now=0.0,
+                            config=config.search)
+    manifest = first
+    if plan.shard_bytes != first.shard_bytes:
+        agreeing, manifest = await agree_on_manifest(request, agreeing, report, shard_bytes=plan.shard_bytes,
+                                                     version=first.version)
+        if (manifest.tensors, manifest.total_bytes) != (first.tensors, first.total_bytes):
+            raise TransferError("the manifest changed between shard sizes", report)
+    report.shard_bytes, report.num_shards = manifest.shard_bytes, manifest.num_shards
+    store = await asyncio.to_thread(ShardStore.open, store_dir, manifest)
+    report.num_resumed = len(store.held_shards())
+    fetcher = _ShardFetcher(request, store, {p: links[p] for p in agreeing}, report)
+    await fetcher.run()
+    data = await asyncio.to_thread(store.assemble)  # re-verifies every shard as it reads it
+    state = restore_state(manifest, data, verify=False)
+    report.seconds = time.monotonic() - started
+    logger.info(f"replication: stage {stage} v{manifest.version} pulled, {manifest.total_bytes} bytes in "
+                f"{report.seconds:.2f} s from {len(report.bytes_by_donor)} donors, "
+                f"{len(report.failed_donors)} dropped, {report.num_resumed} shards resumed")
+    return PullResult(manifest.version, state, report)
+
+
+def _pipelined(link: NeighbourLink, config: TransferConfig) -> NeighbourLink:
+    """The link as the planner should see it when requests are pipelined (see the module docstring)."""
+    delay = link.propagation_delay / config.max_in_flight_per_donor
+    return dataclasses.replace(link, propagation_delay=delay)
+
+
+class _ShardFetcher:
+    """Pulls the missing shards of one store: one worker set per donor, re-planning on faults."""
+
+    def __init__(self, request: _Request, store: ShardStore, links: dict[str, NeighbourLink],
+                 report: PullReport) -> None:
+        self.request, self.store, self.links, self.report = request, store, links, report
+        self.manifest = store.manifest
+        self.queues: dict[str, deque[int]] = {peer_id: deque() for peer_id in links}
+        self.in_flight: dict[str, set[int]] = {peer_id: set() for peer_id in links}
+        self.workers: dict[str, set[asyncio.Task]] = {peer_id: set() for peer_id in links}
+        self.failed: set[str] = set()
+        self._group: asyncio.TaskGroup | None = None
+
+    async def run(self) -> None:
+        missing = self.store.missing_shards()
+        started = time.monotonic()
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            self.report.estimated_seconds = self._assign(missing) - started
+        if not self.store.is_complete():
+            raise TransferError(f"{len(self.store.missing_shards())} shards missing and no donor left", self.report)
+
+    def _shard_seconds(self, peer_id: str) -> float:
+        link = self.links[peer_id]
+        return link.propagation_delay + self.manifest.shard_bytes * link.per_byte_delay
+
+    def _assign(self, shards: Sequence[int]) -> float:
+        """Alg. 2 over the surviving donors, each free once its queue drains; returns the makespan."""
+        now, config = time.monotonic(), self.request.config
+        survivors = [
+            dataclasses.replace(_pipelined(self.links[p], config), free_time=now + self._shard_seconds(p) * (
+                len(self.queues[p]) + len(self.in_flight[p])) / config.max_in_flight_per_donor)
+            for p in sorted(self.links) if p not in self.failed]
+        if not shards or not survivors:
+            return now
+        plan = replan(shards, survivors, total_bytes=self.manifest.total_bytes,
+                      shard_bytes=self.manifest.shard_bytes, now=now)
+        for peer_id, indices in plan.shards_by_peer.items():
+            self.queues[peer_id].extend(indices)
+            while len(self.workers[peer_id]) < min(config.max_in_flight_per_donor, len(self.queues[peer_id])):
+                task = self._group.create_task(self._work(peer_id))
+                self.workers[peer_id].add(task)
+                task.add_done_callback(self.workers[peer_id].discard)
+        return plan.makespan
+
+    async def _work(self, peer_id: str) -> None:
+        queue, config = self.queues[peer_id], self.request.config
+        deadline = config.shard_timeout_floor + config.shard_timeout_slack * config.max_in_flight_per_donor * (
+            self._shard_seconds(peer_id))
+        while queue and peer_id not in self.failed:
+            index = queue.popleft()
+            if index in self.store.held_shards():
+                continue
+            self.in_flight[peer_id].add(index)
+            try:
+                data = await call_shard(self.request, peer_id, self.manifest, index, timeout=deadline)
+                await asyncio.to_thread(self.store.put_shard, index, data)
+            except _DONOR_FAULTS as e:
+                self._fail(peer_id, f"shard {index}: {type(e).__name__}: {e}")
+                return
+            finally:
+                self.in_flight[peer_id].discard(index)
+            self.report.bytes_by_donor[peer_id] = self.report.bytes_by_donor.get(peer_id, 0) + len(data)
+            self.report.shards_by_donor[peer_id] = self.report.shards_by_donor.get(peer_id, 0) + 1
+
+    def _fail(self, peer_id: str, reason: str) -> None:
+        """Drops ``peer_id`` and re-plans its unfinished shards onto the survivors (seed 003 §III-B)."""
+        if peer_id in self.failed:
+            return
+        self.failed.add(peer_id)
+        _drop(self.report, peer_id, reason)
+        orphans = sorted((set(self.queues[peer_id]) | self.in_flight[peer_id]) - self.store.held_shards())
+        self.queues[peer_id].clear()
+        for task in self.workers[peer_id]:
+            if task is not asyncio.current_task():
+                task.cancel()  # its request would only duplicate a shard now re-planned elsewhere
+        self.report.num_refetched += len(orphans)
+        self._assign(orphans)

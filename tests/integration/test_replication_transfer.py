@@ -1,0 +1,115 @@
+"""Multi-donor state replication over real hivemind P2P on loopback (seed 003 §III, DESIGN §1 step 5).
+
+Node 0 of ``dht_nodes`` is the joiner, the others are donors. Faults are injected at a known
+(donor, shard count) through ``ReplicationServer.load_shard`` overrides — no sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from dht.rpc import RemoteError, call_peer
+from dht.wire import read_message
+from replication.assignment import SearchConfig
+from replication.server import ReplicationServer, manifest_handler, probe_handler, shard_handler
+from replication.shard_store import ShardStore
+from replication.transfer import PullResult, TransferConfig, pull_state
+
+RUN, STAGE, VERSION = "rtest", 1, 7
+CONFIG = TransferConfig(search=SearchConfig(min_shard_bytes=64 * 1024, max_shard_bytes=256 * 1024),
+                        request_timeout=10.0, shard_timeout_floor=10.0)
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """About 8.3 MB: float32 weights and moments, int64 ids, 0-d step and scale."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layer.weight": torch.randn(1024, 1024, generator=g),
+        "layer.bias": torch.randn(1000, generator=g),
+        "optim.exp_avg": torch.randn(512, 1024, generator=g),
+        "optim.exp_avg_sq": torch.rand(512, 1024, generator=g),
+        "embed.ids": torch.randint(0, 1 << 40, (4096, 8), generator=g, dtype=torch.int64),
+        "optim.step": torch.tensor(1234, dtype=torch.int64),
+        "scale": torch.tensor(0.5),
+    }
+
+
+STATE = make_state()
+STATE_BYTES = sum(t.numel() * t.element_size() for t in STATE.values())
+
+
+class CountingServer(ReplicationServer):
+    """Records every shard index it is asked for; ``fault(server, index, data)`` may alter or abort."""
+
+    def __init__(self, *args, fault: Callable | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.requested: list[int] = []
+        self.fault = fault
+
+    async def load_shard(self, version: int, shard_bytes: int, index: int) -> bytes | bytearray | memoryview:
+        self.requested.append(index)
+        data = await super().load_shard(version, shard_bytes, index)
+        return data if self.fault is None else await self.fault(self, index, data)
+
+
+async def start_donors(nodes, states: list[dict], faults: dict[int, Callable] | None = None) -> list[CountingServer]:
+    servers = []
+    for position, ((dht, _), state) in enumerate(zip(nodes, states)):
+        async def snapshot(state=state):
+            return VERSION, state
+
+        server = CountingServer(await dht.replicate_p2p(), run_id=RUN, stage=STAGE, snapshot_fn=snapshot,
+                                fault=(faults or {}).get(position))
+        await server.start()
+        servers.append(server)
+    return servers
+
+
+def peer_ids(nodes) -> list[str]:
+    return [dht.peer_id.to_base58() for dht, _ in nodes]
+
+
+async def pull(joiner, donors: list[str], store_dir: Path, config: TransferConfig = CONFIG) -> PullResult:
+    return await pull_state(await joiner.replicate_p2p(), donors, run_id=RUN, stage=STAGE, store_dir=store_dir,
+                            config=config)
+
+
+def assert_identical(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor] = STATE) -> None:
+    assert sorted(state) == sorted(expected)
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype and state[name].shape == tensor.shape, name
+        assert torch.equal(state[name], tensor), name
+
+
+def assert_accounted(result: PullResult) -> None:
+    """Every shard came from exactly one donor, or from disk."""
+    report = result.report
+    assert sum(report.shards_by_donor.values()) + report.num_resumed == report.num_shards
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_joiner_pulls_bit_identical_state_from_three_donors(dht_nodes, tmp_path):
+    (joiner, _), *donor_nodes = dht_nodes
+
+    async def main():
+        servers = await start_donors(donor_nodes, [STATE] * 3)
+        result = await pull(joiner, peer_ids(donor_nodes), tmp_path / "store")
+        assert_identical(result.state)
+        report = result.report
+        assert result.version == VERSION and report.failed_donors == {}
+        assert sorted(report.bytes_by_donor) == sorted(peer_ids(donor_nodes))
+        assert all(num_bytes > 0 for num_bytes in report.bytes_by_donor.values())
+        assert sum(report.bytes_by_donor.values()) == STATE_BYTES
+        assert report.num_shards >= 32 and report.num_resumed == 0 and report.num_refetched == 0
+        assert sum(len(s.requested) for s in servers) == report.num_shards
+        assert_accounted(result)
+
+    asyncio.run(main())
