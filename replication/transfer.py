@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -311,6 +312,8 @@ class _ShardFetcher:
         self.in_flight: dict[str, set[int]] = {peer_id: set() for peer_id in links}
         self.workers: dict[str, set[asyncio.Task]] = {peer_id: set() for peer_id in links}
         self.failed: set[str] = set()
+        self._lock = threading.Lock()
+        self._credited: set[int] = set(store.held_shards())
         self._group: asyncio.TaskGroup | None = None
 
     async def run(self) -> None:
@@ -356,12 +359,24 @@ class _ShardFetcher:
             self.in_flight[peer_id].add(index)
             try:
                 data = await call_shard(self.request, peer_id, self.manifest, index, timeout=deadline)
-                await asyncio.to_thread(self.store.put_shard, index, data)
+                await asyncio.to_thread(self._store, peer_id, index, data)
             except _DONOR_FAULTS as e:
                 self._fail(peer_id, f"shard {index}: {type(e).__name__}: {e}")
                 return
             finally:
                 self.in_flight[peer_id].discard(index)
+
+    def _store(self, peer_id: str, index: int, data: memoryview) -> None:
+        """Verifies and writes one shard, then credits its donor (in a thread: hashing and disk).
+
+        Credited here, not in the worker, because a worker cancelled while its thread runs still
+        stores the shard; a shard that two donors delivered is credited once.
+        """
+        self.store.put_shard(index, data)
+        with self._lock:
+            if index in self._credited:
+                return
+            self._credited.add(index)
             self.report.bytes_by_donor[peer_id] = self.report.bytes_by_donor.get(peer_id, 0) + len(data)
             self.report.shards_by_donor[peer_id] = self.report.shards_by_donor.get(peer_id, 0) + 1
 

@@ -113,3 +113,54 @@ def test_joiner_pulls_bit_identical_state_from_three_donors(dht_nodes, tmp_path)
         assert_accounted(result)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_donor_that_dies_mid_transfer_is_dropped_and_its_shards_refetched(dht_nodes, tmp_path):
+    (joiner, _), *donor_nodes = dht_nodes
+    dying_dht, num_served_before_death = donor_nodes[0][0], 3
+
+    async def die_after_k(server: CountingServer, index: int, data):
+        if len(server.requested) > num_served_before_death:  # the (k+1)-th request: the peer is gone
+            if dying_dht.is_alive():
+                await asyncio.to_thread(dying_dht.shutdown)
+            raise ConnectionError("donor died")
+        return data
+
+    async def main():
+        servers = await start_donors(donor_nodes, [STATE] * 3, faults={0: die_after_k})
+        dead = peer_ids(donor_nodes)[0]
+        result = await pull(joiner, peer_ids(donor_nodes), tmp_path / "store")
+        assert_identical(result.state)
+        report = result.report
+        assert list(report.failed_donors) == [dead] and "shard" in report.failed_donors[dead]
+        assert report.num_refetched >= 1
+        assert report.shards_by_donor.get(dead, 0) <= num_served_before_death
+        assert not dying_dht.is_alive() and len(servers[0].requested) > num_served_before_death
+        assert_accounted(result)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_donor_serving_a_corrupted_shard_is_caught_and_dropped(dht_nodes, tmp_path):
+    (joiner, _), *donor_nodes = dht_nodes
+
+    async def flip_a_byte(server: CountingServer, index: int, data):
+        corrupted = bytearray(data)
+        corrupted[len(corrupted) // 2] ^= 0x40
+        return corrupted
+
+    async def main():
+        servers = await start_donors(donor_nodes, [STATE] * 3, faults={1: flip_a_byte})
+        bad = peer_ids(donor_nodes)[1]
+        result = await pull(joiner, peer_ids(donor_nodes), tmp_path / "store")
+        assert_identical(result.state)
+        report = result.report
+        assert list(report.failed_donors) == [bad] and "does not match" in report.failed_donors[bad]
+        assert bad not in report.shards_by_donor and report.num_refetched >= 1
+        assert len(servers[1].requested) >= 1  # it did serve, and every shard it served was rejected
+        assert set(report.shards_by_donor) == set(peer_ids(donor_nodes)) - {bad}
+        assert_accounted(result)
+
+    asyncio.run(main())
