@@ -18,9 +18,9 @@ from planner.snapshot import SwarmSnapshot
 
 def build_edge_delays(snapshot: SwarmSnapshot, num_bytes: float) -> np.ndarray:
     """Symmetric edge delay matrix of seed 000 §3.3.3 for a transfer of ``num_bytes``."""
-    latency = snapshot.links.latency_delay
-    bandwidth = snapshot.links.bandwidth
-    edges = latency + latency.T + num_bytes / bandwidth + num_bytes / bandwidth.T
+    edges = num_bytes / snapshot.links.bandwidth
+    edges += snapshot.links.latency_delay
+    edges += edges.T.copy()  # the copy keeps the in-place add from reading what it wrote
     np.fill_diagonal(edges, 0.0)
     return edges
 
@@ -56,12 +56,18 @@ def assign_server_roles(
 
 
 def assemble_plan(
-    snapshot: SwarmSnapshot, groups: list[tuple[np.ndarray, np.ndarray]], bounds: tuple[int, ...]
+    snapshot: SwarmSnapshot, groups: list[tuple[np.ndarray, np.ndarray]], bounds: tuple[int, ...],
+    *, edges: np.ndarray | None = None,
 ) -> Plan:
-    """Builds the Plan for ordered ``(servers, clients)`` index groups and layer ``bounds``."""
+    """Builds the Plan for ordered ``(servers, clients)`` index groups and layer ``bounds``.
+
+    ``edges`` may pass ``build_edge_delays(snapshot, typical_transfer_bytes(snapshot))`` when the
+    caller already holds it (it is O(n^2) to build).
+    """
     if len(groups) != len(bounds):
         raise ValueError("one boundary per group is required")
-    edges = build_edge_delays(snapshot, typical_transfer_bytes(snapshot))
+    if edges is None:
+        edges = build_edge_delays(snapshot, typical_transfer_bytes(snapshot))
     names = [device.peer_id for device in snapshot.devices]
     stages = []
     start = 0

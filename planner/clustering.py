@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.costs import approximate_pipeline_delay
+from planner.ordering import build_coarse_graph
 from planner.snapshot import ModelProfile
 
 
@@ -46,17 +47,12 @@ def diameter(edges: np.ndarray, members: np.ndarray) -> float:
     return float(edges[np.ix_(members, members)].max())
 
 
-def nearest_cluster_delay(edges: np.ndarray, clusters: list[np.ndarray]) -> float:
+def nearest_cluster_delay(coarse: np.ndarray) -> float:
     """Largest, over clusters, of the mean delay to the nearest other cluster (0 for one cluster)."""
-    if len(clusters) < 2:
+    if coarse.shape[0] < 2:
         return 0.0
-    worst = 0.0
-    for i, left in enumerate(clusters):
-        nearest = min(
-            float(edges[np.ix_(left, right)].mean()) for j, right in enumerate(clusters) if j != i
-        )
-        worst = max(worst, nearest)
-    return worst
+    others = coarse + np.diag(np.full(coarse.shape[0], np.inf))
+    return float(others.min(axis=1).max())
 
 
 def cluster_devices(
@@ -76,22 +72,27 @@ def cluster_devices(
         raise ValueError("cannot cluster an empty device set")
     total_flops = float(flops[devices].sum())
     clusters = [devices]
+    widths = [diameter(edges, devices)]
+    row_sums = [edges[devices].sum(axis=0)]
     levels = [list(clusters)]
     best_delay = approximate_pipeline_delay(model, total_flops, num_clusters=1, max_link_delay=0.0)
     if min_clusters > 1:
         best_delay = float("inf")
     chosen, rises = 0, 0
     while len(clusters) < min(max_clusters, devices.size) and rises < patience:
-        widest = max(range(len(clusters)), key=lambda i: (diameter(edges, clusters[i]), -i))
+        widest = max(range(len(clusters)), key=lambda i: (widths[i], -i))
         if clusters[widest].size < 2:
             break
-        first, second = split_cluster(edges, clusters[widest])
-        clusters = clusters[:widest] + [first, second] + clusters[widest + 1:]
-        clusters.sort(key=lambda c: int(c[0]))
+        halves = split_cluster(edges, clusters[widest])
+        clusters = clusters[:widest] + list(halves) + clusters[widest + 1:]
+        widths = widths[:widest] + [diameter(edges, h) for h in halves] + widths[widest + 1:]
+        row_sums = row_sums[:widest] + [edges[h].sum(axis=0) for h in halves] + row_sums[widest + 1:]
+        order = sorted(range(len(clusters)), key=lambda i: int(clusters[i][0]))
+        clusters, widths, row_sums = ([x[i] for i in order] for x in (clusters, widths, row_sums))
         levels.append(list(clusters))
+        coarse = build_coarse_graph(edges, clusters, row_sums=row_sums)
         delay = approximate_pipeline_delay(
-            model, total_flops, num_clusters=len(clusters),
-            max_link_delay=nearest_cluster_delay(edges, clusters),
+            model, total_flops, num_clusters=len(clusters), max_link_delay=nearest_cluster_delay(coarse)
         )
         if len(clusters) < min_clusters:
             continue

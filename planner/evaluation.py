@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.assembly import assemble_plan
+from planner.assembly import assemble_plan, build_edge_delays, typical_transfer_bytes
 from planner.costs import count_inflight, profile_group
 from planner.layer_split import (
     build_cost_matrix, build_floor_matrix, build_link_terms, compute_range_delays, split_by_matrices,
@@ -32,8 +32,16 @@ class ArrangementScorer:
         self._links: dict[tuple, np.ndarray] = {}
         self._ranges: dict[tuple, float] = {}
         self._floors: dict[tuple, np.ndarray] = {}
+        self._edges: np.ndarray | None = None
         model = snapshot.model
         self._out_bytes = model.microbatch_size * np.asarray((0.0,) + model.layer_activation_bytes)
+
+    @property
+    def edges(self) -> np.ndarray:
+        """Edge delays of seed 000 §3.3.3 for a typical transfer, built once per scorer."""
+        if self._edges is None:
+            self._edges = build_edge_delays(self.snapshot, typical_transfer_bytes(self.snapshot))
+        return self._edges
 
     def stage_matrix(self, servers: tuple[int, ...], clients: tuple[int, ...], inflight: int) -> np.ndarray:
         """Stage delay ``DT[a, b]`` of the group for every layer range (inf where a >= b)."""
@@ -149,4 +157,4 @@ class ArrangementScorer:
     def to_plan(self, arrangement: Arrangement, bounds: tuple[int, ...]) -> Plan:
         """The Plan of an arrangement and its boundaries."""
         groups = [(np.array(s, dtype=np.int64), np.array(c, dtype=np.int64)) for s, c in arrangement]
-        return assemble_plan(self.snapshot, groups, bounds)
+        return assemble_plan(self.snapshot, groups, bounds, edges=self.edges)

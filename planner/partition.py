@@ -18,7 +18,7 @@ kept; then a bounded local search (``refinement``) moves single devices onto the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,14 +42,17 @@ class PartitionConfig:
         num_refined: best candidates handed to the local search.
         small_swarm_size: swarms of at most this many devices refine every candidate (cheap
             there, and the restarts escape local minima).
+        reference_swarm_size: past this many devices the scored levels and the local-search
+            budget shrink in proportion, so a plan's time grows about linearly, not quadratically.
         refinement: budget of the local search.
     """
 
     clustering_patience: int = 3
-    num_scored_levels: int = 8
+    num_scored_levels: int = 5
     num_anneal_iterations: int = 3000
-    num_refined: int = 2
-    small_swarm_size: int = 32
+    num_refined: int = 1
+    small_swarm_size: int = 12
+    reference_swarm_size: int = 256
     refinement: RefinementConfig = field(default_factory=RefinementConfig)
 
     def __post_init__(self) -> None:
@@ -67,8 +70,9 @@ def assign_unreliable(
     members: list[list[int]] = [[] for _ in clusters]
     if unreliable.size == 0:
         return members
-    delay = snapshot.links.latency_delay + num_bytes / snapshot.links.bandwidth
-    means = np.stack([delay[np.ix_(unreliable, c)].mean(axis=1) for c in clusters], axis=1)
+    latency, bandwidth = snapshot.links.latency_delay[unreliable], snapshot.links.bandwidth[unreliable]
+    delay = latency + num_bytes / bandwidth
+    means = np.stack([delay[:, c].mean(axis=1) for c in clusters], axis=1)
     for u, k in zip(unreliable.tolist(), np.argmin(means, axis=1).tolist()):
         members[k].append(u)
     return members
@@ -100,14 +104,16 @@ def pick_levels(num_levels: int, chosen: int, count: int) -> list[int]:
 
 
 def build_candidates(
-    snapshot: SwarmSnapshot, config: PartitionConfig, rng: np.random.Generator
+    snapshot: SwarmSnapshot, config: PartitionConfig, rng: np.random.Generator, *,
+    edges: np.ndarray | None = None,
 ) -> list[Arrangement]:
     """Steps 1–3 for each scored clustering level, in both path directions."""
     reliable = np.array(snapshot.reliable_indices(), dtype=np.int64)
     if reliable.size == 0:
         raise ValueError("a plan needs at least one reliable device to serve as parameter server")
     num_bytes = typical_transfer_bytes(snapshot)
-    edges = build_edge_delays(snapshot, num_bytes)
+    if edges is None:
+        edges = build_edge_delays(snapshot, num_bytes)
     model = snapshot.model
     weight_bytes = sum(model.layer_param_bytes) * (1.0 + model.optimizer_bytes_per_param_byte)
     typical_memory = float(np.median(snapshot.memory_bytes[reliable]))
@@ -118,7 +124,9 @@ def build_candidates(
         patience=config.clustering_patience,
     )
     candidates = []
-    for level in pick_levels(len(levels), chosen, config.num_scored_levels):
+    effort = min(1.0, config.reference_swarm_size / snapshot.num_devices)
+    num_levels = max(2, round(config.num_scored_levels * effort))
+    for level in pick_levels(len(levels), chosen, num_levels):
         clusters = levels[level]
         order = order_clusters(
             build_coarse_graph(edges, clusters), rng, num_iterations=config.num_anneal_iterations
@@ -143,14 +151,18 @@ def plan_partition(
     config = config or PartitionConfig()
     scorer = ArrangementScorer(snapshot)
     scored = []
-    for index, arrangement in enumerate(build_candidates(snapshot, config, rng)):
+    for index, arrangement in enumerate(build_candidates(snapshot, config, rng, edges=scorer.edges)):
         bounds, cost = scorer.score(arrangement)
         scored.append((cost, index, arrangement, bounds))
     scored.sort(key=lambda item: (item[0], item[1]))
     best_cost, _, best_arrangement, best_bounds = scored[0]
     num_refined = len(scored) if snapshot.num_devices <= config.small_swarm_size else config.num_refined
+    effort = min(1.0, config.reference_swarm_size / snapshot.num_devices)
+    refinement = replace(
+        config.refinement, max_screened_moves=round(config.refinement.max_screened_moves * effort)
+    )
     for cost, _, arrangement, bounds in scored[:num_refined]:
-        refined, refined_bounds, refined_cost = refine_arrangement(scorer, arrangement, config.refinement, rng=rng)
+        refined, refined_bounds, refined_cost = refine_arrangement(scorer, arrangement, refinement, rng=rng)
         if refined_cost < best_cost:
             best_cost, best_arrangement, best_bounds = refined_cost, refined, refined_bounds
     if not np.isfinite(best_cost):

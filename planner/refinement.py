@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.assembly import build_edge_delays, typical_transfer_bytes
 from planner.clustering import split_cluster
 from planner.evaluation import Arrangement, ArrangementScorer
 
@@ -48,7 +47,7 @@ class RefinementConfig:
     num_exact: int = 6
     max_merge_stages: int = 12
     num_donor_stages: int = 3
-    max_screened_moves: int = 1500
+    max_screened_moves: int = 1000
     num_kicks: int = 4
     kick_size: int = 2
 
@@ -188,7 +187,7 @@ class _Search:
         self.scorer, self.config = scorer, config
         self.snapshot = scorer.snapshot
         self.reliable = set(self.snapshot.reliable_indices())
-        self.edges = build_edge_delays(self.snapshot, typical_transfer_bytes(self.snapshot))
+        self.edges = scorer.edges
         self.num_screened = 0
 
     def list_all_moves(

@@ -47,8 +47,8 @@ def test_plan_is_near_brute_force_optimum(seed: int) -> None:
     assert estimate_throughput(snapshot, plan) <= optimum * (1 + 1e-9)
 
 
-@settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10**6), num_devices=st.integers(1, 9), shuffle_seed=st.integers(0, 10**6))
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10**6), num_devices=st.integers(1, 8), shuffle_seed=st.integers(0, 10**6))
 def test_plan_is_deterministic_and_order_invariant(seed: int, num_devices: int, shuffle_seed: int) -> None:
     snapshot = _snapshot(seed, num_devices)
     try:

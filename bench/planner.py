@@ -1,0 +1,114 @@
+"""Planner benchmarks: quality against brute force, seed 000 Cases 3–4 in simulation, speed.
+
+Prints one JSON line per measurement:
+
+    {"bench": "planner_quality", "median_gap": ..., "worst_gap": ..., ...}
+    {"bench": "planner_case", "case": ..., "method": ..., "throughput": ..., "speedup_vs_even": ...}
+    {"bench": "planner_speed", "peers": N, "seconds": ...}
+    {"bench": "planner_join", "peers": N, "seconds": ...}
+
+Run: .venv/bin/python bench/planner.py [--quick] [--only quality,case,speed,join]
+Timings are wall-clock on one core (the planner is single-threaded Python + numpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from planner.baselines import plan_even, plan_petals, plan_swarm  # noqa: E402
+from planner.costs import estimate_throughput  # noqa: E402
+from planner.exhaustive import find_optimal_plan  # noqa: E402
+from planner.partition import plan_partition  # noqa: E402
+from planner.scenarios import (  # noqa: E402
+    build_case3_snapshot, build_region_snapshot, build_transformer_profile,
+)
+from planner.simulator import SimulationConfig, simulate_plan  # noqa: E402
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def bench_quality(num_instances: int) -> None:
+    """Plan throughput vs the brute-force optimum on random instances of 3–7 devices."""
+    rng = np.random.default_rng(2024)
+    model = build_transformer_profile(num_layers=8, hidden_size=5120, sequence_length=1024)
+    gaps = []
+    for _ in range(num_instances):
+        snapshot = build_region_snapshot(
+            rng, num_devices=int(rng.integers(3, 8)), num_regions=int(rng.integers(1, 4)), model=model
+        )
+        _, optimum = find_optimal_plan(snapshot)
+        ours = estimate_throughput(snapshot, plan_partition(snapshot, rng=np.random.default_rng(0)))
+        gaps.append(max(0.0, 1.0 - ours / optimum))
+    emit({
+        "bench": "planner_quality", "median_gap": round(float(np.median(gaps)), 4),
+        "worst_gap": round(float(np.max(gaps)), 4), "num_instances": num_instances,
+        "num_optimal": int(sum(g < 1e-9 for g in gaps)),
+    })
+
+
+def bench_cases(num_steps: int) -> None:
+    """Seed 000 §4.1 Cases 3 and 4 (batch 512, micro-batch 4), simulated throughput per method."""
+    model = build_transformer_profile(
+        num_layers=32, hidden_size=4096, sequence_length=512, microbatch_size=4, num_microbatches=128
+    )
+    snapshot = build_case3_snapshot(np.random.default_rng(3), model)
+    plans = {
+        "ours": plan_partition(snapshot, rng=np.random.default_rng(0)),
+        "even": plan_even(snapshot), "petals": plan_petals(snapshot), "swarm": plan_swarm(snapshot),
+    }
+    cases = {
+        "case3": SimulationConfig(num_steps=num_steps),
+        "case4": SimulationConfig(num_steps=num_steps, disconnect_probability=0.9, failure_detect_delay=2.0),
+    }
+    for case, config in cases.items():
+        results = {m: simulate_plan(snapshot, p, config, rng=np.random.default_rng(1)) for m, p in plans.items()}
+        for method, result in results.items():
+            emit({
+                "bench": "planner_case", "case": case, "method": method,
+                "throughput": round(result.throughput, 4),
+                "speedup_vs_even": round(result.throughput / results["even"].throughput, 3),
+                "model_throughput": round(estimate_throughput(snapshot, plans[method]), 4),
+                "num_stages": plans[method].num_stages, "num_lost_chunks": result.num_lost_chunks,
+            })
+
+
+def bench_speed(sizes: list[int]) -> None:
+    """Wall time of one global plan for swarms of ``sizes`` peers in 8 regions."""
+    model = build_transformer_profile(num_layers=32, hidden_size=5120, sequence_length=1024)
+    for num_peers in sizes:
+        snapshot = build_region_snapshot(np.random.default_rng(num_peers), num_devices=num_peers, num_regions=8, model=model)
+        start = time.perf_counter()
+        plan = plan_partition(snapshot, rng=np.random.default_rng(0))
+        seconds = time.perf_counter() - start
+        emit({
+            "bench": "planner_speed", "peers": num_peers, "seconds": round(seconds, 3),
+            "num_stages": plan.num_stages, "throughput": round(estimate_throughput(snapshot, plan), 4),
+        })
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer instances and steps")
+    parser.add_argument("--only", default="quality,case,speed,join", help="comma-separated parts to run")
+    args = parser.parse_args()
+    parts = set(args.only.split(","))
+    if "quality" in parts:
+        bench_quality(8 if args.quick else 24)
+    if "case" in parts:
+        bench_cases(1 if args.quick else 3)
+    if "speed" in parts:
+        bench_speed([16, 256] if args.quick else [16, 256, 1024, 4096])
+
+
+if __name__ == "__main__":
+    main()
