@@ -67,6 +67,12 @@ class ArrangementScorer:
             self._floors[key] = floor
         return floor
 
+    def link_terms(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
+        """``(alpha_f + alpha_b, per-byte seconds)`` of the link between two server groups."""
+        return build_link_terms(
+            self.snapshot, np.array(senders, dtype=np.int64), np.array(receivers, dtype=np.int64)
+        )
+
     def link_row(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> np.ndarray:
         """Link delay to the next stage for every stage end ``b`` (broadcast over ``a``)."""
         key = (senders, receivers)
