@@ -107,6 +107,13 @@ class Plan:
                 return index
         return None
 
+    def stage_of_layer(self, layer: int) -> int:
+        """Index of the stage that holds ``layer``."""
+        for index, stage in enumerate(self.stages):
+            if stage.layer_start <= layer < stage.layer_end:
+                return index
+        raise ValueError(f"layer {layer} is outside the plan's {self.num_layers} layers")
+
     def check_fits(self, snapshot: SwarmSnapshot) -> None:
         """Raises ValueError unless the plan covers the model and its servers are reliable."""
         if self.num_layers != snapshot.model.num_layers:
