@@ -27,10 +27,12 @@ from planner.baselines import plan_even, plan_petals, plan_swarm  # noqa: E402
 from planner.costs import estimate_throughput  # noqa: E402
 from planner.exhaustive import find_optimal_plan  # noqa: E402
 from planner.partition import plan_partition  # noqa: E402
+from planner.rebalance import choose_join_stage, prepare_join  # noqa: E402
 from planner.scenarios import (  # noqa: E402
     build_case3_snapshot, build_region_snapshot, build_transformer_profile,
 )
 from planner.simulator import SimulationConfig, simulate_plan  # noqa: E402
+from planner.snapshot import LinkMatrix, SwarmSnapshot  # noqa: E402
 
 
 def emit(record: dict) -> None:
@@ -96,6 +98,37 @@ def bench_speed(sizes: list[int]) -> None:
         })
 
 
+def bench_join(num_peers: int, num_repeats: int = 20) -> None:
+    """Median time of one join decision (``choose_join_stage``) on a plan of ``num_peers`` peers.
+
+    ``prepare_join`` runs once per plan version (when the plan changes, not per joiner) and is
+    reported separately.
+    """
+    model = build_transformer_profile(num_layers=32, hidden_size=5120, sequence_length=1024)
+    snapshot = build_region_snapshot(np.random.default_rng(7), num_devices=num_peers + 1, num_regions=8, model=model)
+    joiner = snapshot.devices[-1].peer_id
+    keep = np.arange(num_peers)
+    members = SwarmSnapshot(
+        devices=snapshot.devices[:num_peers], model=model, links=LinkMatrix(
+            latency_delay=snapshot.links.latency_delay[np.ix_(keep, keep)],
+            bandwidth=snapshot.links.bandwidth[np.ix_(keep, keep)],
+        ),
+    )
+    plan = plan_partition(members, rng=np.random.default_rng(0))
+    start = time.perf_counter()
+    context = prepare_join(snapshot, plan)
+    prepare_seconds = time.perf_counter() - start
+    timings = []
+    for _ in range(num_repeats):
+        start = time.perf_counter()
+        choose_join_stage(context, joiner)
+        timings.append(time.perf_counter() - start)
+    emit({
+        "bench": "planner_join", "peers": num_peers, "seconds": round(float(np.median(timings)), 5),
+        "prepare_seconds": round(prepare_seconds, 4), "num_stages": plan.num_stages,
+    })
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer instances and steps")
@@ -108,6 +141,8 @@ def main() -> None:
         bench_cases(1 if args.quick else 3)
     if "speed" in parts:
         bench_speed([16, 256] if args.quick else [16, 256, 1024, 4096])
+    if "join" in parts:
+        bench_join(1024)
 
 
 if __name__ == "__main__":
