@@ -12,7 +12,8 @@ Seed 003 §III, over hivemind P2P (the donor side is ``replication/server.py``):
    ``min_agreeing_donors`` must agree whenever that many answered.
 3. **Plan**: Alg. 1 (``plan_replication``) chooses s over the probed links; the manifest at s is
    fetched from the agreeing donors, pinned to the agreed version, and compared again.
-4. **Resume**: ``ShardStore.open`` keeps every shard already on disk that verifies.
+4. **Resume**: an interrupted download of the same version keeps its s (step 3 is skipped), and
+   ``ShardStore.open`` keeps every shard already on disk that verifies against the new manifest.
 5. **Pull**: Alg. 2 (``replan``) assigns the missing shards; one worker per donor pulls its shards
    in order with up to ``max_in_flight_per_donor`` requests in flight. Each shard is hash-checked
    (``ShardStore.put_shard``). A donor that fails, stalls past its deadline (``shard_timeout_floor``
@@ -48,9 +49,9 @@ from dht.wire import ProtocolError
 from replication.assignment import NeighbourLink, SearchConfig, plan_replication, replan
 from replication.manifest import Manifest, ManifestError, ManifestLimits, restore_state
 from replication.server import (
-    MAX_PROBE_BYTES, manifest_handler, padded_bytes, probe_handler, shard_handler, unpack_bytes,
+    MAX_PROBE_BYTES, MAX_REQUEST_SHARD_BYTES, MIN_REQUEST_SHARD_BYTES, manifest_handler, padded_bytes, probe_handler, shard_handler, unpack_bytes,
 )
-from replication.shard_store import ShardStore
+from replication.shard_store import MANIFEST_FILE, ShardStore
 
 __all__ = ["PullReport", "PullResult", "TransferConfig", "TransferError", "call_manifest", "call_probe",
            "call_shard", "pull_state"]
@@ -115,6 +116,7 @@ class PullReport:
         seconds: wall time of the whole pull, probes included.
         bytes_by_donor / shards_by_donor: verified shard bytes / shards received from each donor.
         failed_donors: donor -> why it was dropped (probe failure, disagreeing manifest, fault).
+        num_shard_requests: shard requests sent, failed ones included.
         num_refetched: shards re-assigned to another donor after theirs was dropped.
         num_resumed: shards already on disk (verified) when the pull started.
     """
@@ -127,6 +129,7 @@ class PullReport:
     bytes_by_donor: dict[str, int] = field(default_factory=dict)
     shards_by_donor: dict[str, int] = field(default_factory=dict)
     failed_donors: dict[str, str] = field(default_factory=dict)
+    num_shard_requests: int = 0
     num_refetched: int = 0
     num_resumed: int = 0
 
@@ -273,11 +276,13 @@ async def pull_state(
     links = await probe_donors(request, donors, report)
     agreeing, first = await agree_on_manifest(request, sorted(links), report,
                                               shard_bytes=config.search.max_shard_bytes, version=None)
-    plan = plan_replication(first.total_bytes, [_pipelined(links[p], config) for p in agreeing], now=0.0,
-                            config=config.search)
+    shard_bytes = _read_resumable_shard_bytes(store_dir, first, config.manifest_limits)
+    if shard_bytes is None:
+        shard_bytes = plan_replication(first.total_bytes, [_pipelined(links[p], config) for p in agreeing],
+                                       now=0.0, config=config.search).shard_bytes
     manifest = first
-    if plan.shard_bytes != first.shard_bytes:
-        agreeing, manifest = await agree_on_manifest(request, agreeing, report, shard_bytes=plan.shard_bytes,
+    if shard_bytes != first.shard_bytes:
+        agreeing, manifest = await agree_on_manifest(request, agreeing, report, shard_bytes=shard_bytes,
                                                      version=first.version)
         if (manifest.tensors, manifest.total_bytes) != (first.tensors, first.total_bytes):
             raise TransferError("the manifest changed between shard sizes", report)
@@ -293,6 +298,26 @@ async def pull_state(
                 f"{report.seconds:.2f} s from {len(report.bytes_by_donor)} donors, "
                 f"{len(report.failed_donors)} dropped, {report.num_resumed} shards resumed")
     return PullResult(manifest.version, state, report)
+
+
+def _read_resumable_shard_bytes(store_dir: Path, agreed: Manifest, limits: ManifestLimits) -> int | None:
+    """The s of an interrupted download of the same state in ``store_dir``, if there is one.
+
+    Resuming keeps the old s: shards are byte ranges of size s, so a new s would orphan every
+    shard already held. The stored manifest is not trusted here; the donors re-confirm it at
+    that s, and ``ShardStore.open`` re-verifies every shard file against what they confirm.
+    """
+    try:
+        stored = Manifest.from_wire(msgpack.unpackb((store_dir / MANIFEST_FILE).read_bytes()), limits=limits)
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        logger.info(f"replication: ignoring the unreadable manifest in {store_dir}: {e}")
+        return None
+    same_state = (stored.run_id, stored.stage, stored.version, stored.tensors) == (
+        agreed.run_id, agreed.stage, agreed.version, agreed.tensors)
+    shard_bytes_ok = MIN_REQUEST_SHARD_BYTES <= stored.shard_bytes <= MAX_REQUEST_SHARD_BYTES
+    return stored.shard_bytes if same_state and shard_bytes_ok else None
 
 
 def _pipelined(link: NeighbourLink, config: TransferConfig) -> NeighbourLink:
@@ -357,6 +382,7 @@ class _ShardFetcher:
             if index in self.store.held_shards():
                 continue
             self.in_flight[peer_id].add(index)
+            self.report.num_shard_requests += 1
             try:
                 data = await call_shard(self.request, peer_id, self.manifest, index, timeout=deadline)
                 await asyncio.to_thread(self._store, peer_id, index, data)

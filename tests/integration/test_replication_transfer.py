@@ -20,7 +20,7 @@ from dht.wire import read_message
 from replication.assignment import SearchConfig
 from replication.server import ReplicationServer, manifest_handler, probe_handler, shard_handler
 from replication.shard_store import ShardStore
-from replication.transfer import PullResult, TransferConfig, pull_state
+from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
 
 RUN, STAGE, VERSION = "rtest", 1, 7
 CONFIG = TransferConfig(search=SearchConfig(min_shard_bytes=64 * 1024, max_shard_bytes=256 * 1024),
@@ -109,6 +109,7 @@ def test_joiner_pulls_bit_identical_state_from_three_donors(dht_nodes, tmp_path)
         assert all(num_bytes > 0 for num_bytes in report.bytes_by_donor.values())
         assert sum(report.bytes_by_donor.values()) == STATE_BYTES
         assert report.num_shards >= 32 and report.num_resumed == 0 and report.num_refetched == 0
+        assert report.num_shard_requests == report.num_shards
         assert sum(len(s.requested) for s in servers) == report.num_shards
         assert_accounted(result)
 
@@ -162,5 +163,121 @@ def test_donor_serving_a_corrupted_shard_is_caught_and_dropped(dht_nodes, tmp_pa
         assert len(servers[1].requested) >= 1  # it did serve, and every shard it served was rejected
         assert set(report.shards_by_donor) == set(peer_ids(donor_nodes)) - {bad}
         assert_accounted(result)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_interrupted_pull_resumes_without_refetching_held_shards(dht_nodes, tmp_path):
+    (joiner, _), *donor_nodes = dht_nodes
+    donors, store_dir, num_requests_before_cancel = peer_ids(donor_nodes), tmp_path / "store", 15
+
+    async def main():
+        enough, servers = asyncio.Event(), []
+
+        async def signal_when_enough(server: CountingServer, index: int, data):
+            if sum(len(s.requested) for s in servers) >= num_requests_before_cancel:
+                enough.set()
+            return data
+
+        servers += await start_donors(donor_nodes, [STATE] * 3, faults={i: signal_when_enough for i in range(3)})
+        first = asyncio.create_task(pull(joiner, donors, store_dir))
+        waiter = asyncio.create_task(enough.wait())
+        async with asyncio.timeout(30):
+            await asyncio.wait({first, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        assert enough.is_set() and not first.done()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        for server in servers:
+            server.requested.clear()
+
+        result = await pull(joiner, donors, store_dir)
+        assert_identical(result.state)
+        report = result.report
+        assert 1 <= report.num_resumed < report.num_shards
+        num_missing = report.num_shards - report.num_resumed
+        assert report.num_shard_requests == sum(report.shards_by_donor.values()) == num_missing
+        # Donors may still see up to 3 x 2 requests the cancelled pull had in flight.
+        again = [index for server in servers for index in server.requested]
+        assert num_missing <= len(again) <= num_missing + 6
+        assert_accounted(result)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_donor_with_a_disagreeing_manifest_is_dropped(dht_nodes, tmp_path):
+    (joiner, _), *donor_nodes = dht_nodes
+    donors = peer_ids(donor_nodes)
+
+    async def main():
+        servers = await start_donors(donor_nodes, [STATE, STATE, make_state(seed=1)])
+        result = await pull(joiner, donors, tmp_path / "store")
+        assert_identical(result.state)
+        report = result.report
+        assert list(report.failed_donors) == [donors[2]] and "disagrees" in report.failed_donors[donors[2]]
+        assert set(report.shards_by_donor) == set(donors[:2]) and servers[2].requested == []
+        assert_accounted(result)
+        servers[0].requested.clear()
+        with pytest.raises(TransferError, match="agree") as refused:  # one against one: nobody to trust
+            await pull(joiner, [donors[0], donors[2]], tmp_path / "other")
+        assert len(refused.value.report.failed_donors) == 1  # the tie is broken, but nobody is trusted
+        assert servers[0].requested == servers[2].requested == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [2], indirect=True)
+def test_hostile_requests_are_refused_and_the_donor_keeps_serving(dht_nodes, tmp_path):
+    (joiner, _), donor_node = dht_nodes
+    donor = peer_ids([donor_node])[0]
+    good = {"stage": STAGE, "shard_bytes": 65536}
+    hostile = [
+        (manifest_handler(RUN), {**good, "stage": STAGE + 1}, "stage"),
+        (manifest_handler(RUN), {**good, "stage": True}, "stage"),
+        (manifest_handler(RUN), {**good, "shard_bytes": 1}, "shard_bytes"),
+        (manifest_handler(RUN), {**good, "shard_bytes": 1 << 40}, "shard_bytes"),
+        (manifest_handler(RUN), {**good, "version": VERSION + 5}, "no longer held"),
+        (shard_handler(RUN), {**good, "version": VERSION, "index": 10**6}, "out of range"),
+        (shard_handler(RUN), {**good, "version": VERSION, "index": -1}, "index"),
+        (shard_handler(RUN), {**good, "version": VERSION, "index": "0"}, "index"),
+        (shard_handler(RUN), {**good, "version": 99, "index": 0}, "not held"),
+        (shard_handler(RUN), {**good, "stage": 0, "version": VERSION, "index": 0}, "stage"),
+        (shard_handler(RUN), {"stage": STAGE}, "version"),
+        (probe_handler(RUN), {"nbytes": 1 << 40}, "nbytes"),
+        (probe_handler(RUN), {"nbytes": -1}, "nbytes"),
+        (probe_handler(RUN), {}, "nbytes"),
+    ]
+
+    async def send_raw(p2p, handler: str, raw: bytes) -> dict:
+        async with asyncio.timeout(10):
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), handler)
+            writer.write(raw)
+            await writer.drain()
+            reply, _ = await read_message(reader, max_payload_bytes=0, timeout=10)
+            writer.close()
+        return reply
+
+    async def main():
+        (server,) = await start_donors([donor_node], [STATE])
+        p2p = await joiner.replicate_p2p()
+        reply, _ = await call_peer(p2p, donor, manifest_handler(RUN), good, timeout=10, max_payload_bytes=0)
+        assert reply["manifest"]["version"] == VERSION
+        for handler, header, reason in hostile:
+            with pytest.raises(RemoteError, match=reason):
+                await call_peer(p2p, donor, handler, header, timeout=10, max_payload_bytes=1 << 20)
+        with pytest.raises(RemoteError, match="payload"):  # a tensor payload nobody asked for
+            await call_peer(p2p, donor, probe_handler(RUN), {"nbytes": 8}, [torch.zeros(1000)], timeout=10,
+                            max_payload_bytes=1 << 20)
+        garbage = await send_raw(p2p, shard_handler(RUN), struct.pack(">I", 5) + b"\xc1" * 5)
+        assert garbage["ok"] is False and "msgpack" in garbage["error"]
+        oversized = await send_raw(p2p, manifest_handler(RUN), struct.pack(">I", 1 << 31))
+        assert oversized["ok"] is False and "exceeds" in oversized["error"]
+        assert server.num_refused == len(hostile) + 3 and server.num_shards_served == 0
+
+        result = await pull(joiner, [donor], tmp_path / "store")  # and it keeps serving
+        assert_identical(result.state)
+        assert result.report.shards_by_donor == {donor: result.report.num_shards}
 
     asyncio.run(main())
