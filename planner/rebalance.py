@@ -27,7 +27,6 @@ from planner.costs import (
     StageGroup, count_inflight, estimate_averaging_floor, estimate_stage_delay, profile_group,
 )
 from planner.evaluation import Arrangement, ArrangementScorer
-from planner.layer_split import build_link_terms
 from planner.plan import Plan
 from planner.refinement import list_moves
 from planner.snapshot import SwarmSnapshot
@@ -101,6 +100,9 @@ class _StageSums:
     client_per_byte_sums: np.ndarray  # per client: sum over servers of (1/beta_cs + 1/beta_sc) / 2
     member_averaging_sums: np.ndarray  # per member: sum over servers of 1 / beta_is
     link_delay: float  # outgoing link term of Eq. 2 (0 for the last stage)
+    link_sums: tuple[float, float, float, float]  # over S_k x S_k+1: alpha fwd, 1/beta fwd, bwd
+    delay: float  # DT_k
+    floor: float  # averaging floor AT_k / d
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -127,14 +129,24 @@ def prepare_join(snapshot: SwarmSnapshot, plan: Plan) -> JoinContext:
     sums = []
     model = snapshot.model
     for k, (servers, clients) in enumerate(arrangement):
-        link_delay = 0.0
+        link_delay, link_sums = 0.0, (0.0, 0.0, 0.0, 0.0)
         if k + 1 < len(arrangement):
             fixed, link_per_byte = scorer.link_terms(servers, arrangement[k + 1][0])
             link_delay = fixed + link_per_byte * model.microbatch_size * model.layer_activation_bytes[bounds[k] - 1]
+            forward, backward = np.ix_(servers, arrangement[k + 1][0]), np.ix_(arrangement[k + 1][0], servers)
+            link_sums = (
+                float(latency[forward].sum()), float(per_byte[forward].sum()),
+                float(latency[backward].sum()), float(per_byte[backward].sum()),
+            )
         s, c = np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64)
         members = np.concatenate([s, c])
+        group = profile_group(snapshot, s, c)
+        inflight = count_inflight(k, plan.num_stages, snapshot.model.num_microbatches)
+        start, end = plan.stages[k].layer_start, plan.stages[k].layer_end
         sums.append(_StageSums(
-            group=profile_group(snapshot, s, c), layer_start=plan.stages[k].layer_start,
+            link_sums=link_sums, delay=estimate_stage_delay(model, group, start, end, num_inflight=inflight)[0],
+            floor=estimate_averaging_floor(model, group, start, end),
+            group=group, layer_start=plan.stages[k].layer_start,
             layer_end=plan.stages[k].layer_end,
             num_inflight=count_inflight(k, plan.num_stages, snapshot.model.num_microbatches),
             client_latency_sums=((latency[np.ix_(c, s)] + latency[np.ix_(s, c)].T) / 2).sum(axis=1),
@@ -145,12 +157,23 @@ def prepare_join(snapshot: SwarmSnapshot, plan: Plan) -> JoinContext:
     return JoinContext(snapshot=snapshot, plan=plan, stage_costs=costs, sums=tuple(sums))
 
 
+class _InverseBandwidth:
+    """``1 / bandwidth[index]`` computed on the indexed entries only (never the whole matrix)."""
+
+    def __init__(self, bandwidth: np.ndarray) -> None:
+        self.bandwidth = bandwidth
+
+    def __getitem__(self, index: tuple) -> np.ndarray:
+        return 1.0 / self.bandwidth[index]
+
+
 def _joined_group(context: JoinContext, k: int, joiner: int) -> StageGroup:
     """Stage k's group with ``joiner`` added, from the running sums."""
     sums, snapshot = context.sums[k], context.snapshot
     group = sums.group
-    latency, per_byte = snapshot.links.latency_delay, 1.0 / snapshot.links.bandwidth
+    latency, bandwidth = snapshot.links.latency_delay, snapshot.links.bandwidth
     s, c = group.servers, group.clients
+    per_byte = _InverseBandwidth(bandwidth)
     num_servers = s.size
     if snapshot.devices[joiner].is_reliable:
         latency_sums = sums.client_latency_sums + (latency[c, joiner] + latency[joiner, c]) / 2
@@ -177,16 +200,23 @@ def _joined_group(context: JoinContext, k: int, joiner: int) -> StageGroup:
     )
 
 
-def _joined_cost(context: JoinContext, k: int, group: StageGroup, next_servers: np.ndarray | None) -> float:
-    """Stage k's Eq. 2 term with ``group`` as its members; ``next_servers`` None keeps its link."""
-    model, sums = context.snapshot.model, context.sums[k]
-    delay, _ = estimate_stage_delay(model, group, sums.layer_start, sums.layer_end, num_inflight=sums.num_inflight)
-    if next_servers is None:
-        delay += sums.link_delay
-    else:
-        fixed, per_byte = build_link_terms(context.snapshot, group.servers, next_servers)
-        delay += fixed + per_byte * model.microbatch_size * model.layer_activation_bytes[sums.layer_end - 1]
-    return max(delay, estimate_averaging_floor(model, group, sums.layer_start, sums.layer_end))
+def _joined_link(context: JoinContext, k: int, joiner: int, *, is_sender: bool) -> float:
+    """Link term k -> k+1 when the reliable ``joiner`` joins stage k (sender) or k+1 (receiver)."""
+    snapshot, sums = context.snapshot, context.sums[k]
+    latency, per_byte = snapshot.links.latency_delay, _InverseBandwidth(snapshot.links.bandwidth)
+    senders, receivers = sums.group.servers, context.sums[k + 1].group.servers
+    other = receivers if is_sender else senders
+    out_index, in_index = (joiner, other) if is_sender else (other, joiner)
+    lat_f, pb_f, lat_b, pb_b = sums.link_sums
+    lat_f += latency[out_index, in_index].sum()
+    pb_f += per_byte[out_index, in_index].sum()
+    lat_b += latency[in_index, out_index].sum()
+    pb_b += per_byte[in_index, out_index].sum()
+    num_senders = senders.size + (1 if is_sender else 0)
+    num_receivers = receivers.size + (0 if is_sender else 1)
+    pairs = num_senders * num_receivers
+    num_bytes = snapshot.model.microbatch_size * snapshot.model.layer_activation_bytes[sums.layer_end - 1]
+    return (lat_f + lat_b) / pairs + (pb_f + pb_b) / pairs / min(num_senders, num_receivers) * num_bytes
 
 
 def choose_join_stage(context: JoinContext, peer_id: str) -> int:
@@ -194,21 +224,24 @@ def choose_join_stage(context: JoinContext, peer_id: str) -> int:
     if context.plan.stage_of(peer_id) is not None:
         raise ValueError(f"peer {peer_id} already serves stage {context.plan.stage_of(peer_id)}")
     snapshot = context.snapshot
+    model = snapshot.model
     joiner = int(snapshot.indices_of((peer_id,))[0])
     is_reliable = snapshot.devices[joiner].is_reliable
     num_stages = len(context.sums)
     per_byte = 1.0 / snapshot.links.bandwidth[joiner]
     best_key, best_stage = None, 0
-    for k in range(num_stages):
+    for k, sums in enumerate(context.sums):
         group = _joined_group(context, k, joiner)
-        next_servers = None
+        delay, _ = estimate_stage_delay(model, group, sums.layer_start, sums.layer_end, num_inflight=sums.num_inflight)
+        link = sums.link_delay
         if is_reliable and k + 1 < num_stages:
-            next_servers = context.sums[k + 1].group.servers
+            link = _joined_link(context, k, joiner, is_sender=True)
         costs = context.stage_costs.copy()
-        costs[k] = _joined_cost(context, k, group, next_servers)
+        costs[k] = max(delay + link, estimate_averaging_floor(model, group, sums.layer_start, sums.layer_end))
         if is_reliable and k > 0:
-            costs[k - 1] = _joined_cost(context, k - 1, context.sums[k - 1].group, group.servers)
-        key = (float(costs.max()), float(per_byte[context.sums[k].group.servers].mean()), k)
+            previous = context.sums[k - 1]
+            costs[k - 1] = max(previous.delay + _joined_link(context, k - 1, joiner, is_sender=False), previous.floor)
+        key = (float(costs.max()), float(per_byte[sums.group.servers].mean()), k)
         if best_key is None or key < best_key:
             best_key, best_stage = key, k
     return best_stage
