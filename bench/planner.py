@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from planner.asteroid import plan_asteroid  # noqa: E402
 from planner.baselines import plan_even, plan_petals, plan_swarm  # noqa: E402
 from planner.costs import estimate_throughput  # noqa: E402
 from planner.exhaustive import find_optimal_plan  # noqa: E402
@@ -33,6 +34,7 @@ from planner.scenarios import (  # noqa: E402
 )
 from planner.simulator import SimulationConfig, simulate_plan  # noqa: E402
 from planner.snapshot import LinkMatrix, SwarmSnapshot  # noqa: E402
+from planner.spantrain import plan_spantrain  # noqa: E402
 
 
 def emit(record: dict) -> None:
@@ -67,6 +69,7 @@ def bench_cases(num_steps: int) -> None:
     plans = {
         "ours": plan_partition(snapshot, rng=np.random.default_rng(0)),
         "even": plan_even(snapshot), "petals": plan_petals(snapshot), "swarm": plan_swarm(snapshot),
+        "asteroid": plan_asteroid(snapshot), "spantrain": plan_spantrain(snapshot, rng=np.random.default_rng(0)),
     }
     cases = {
         "case3": SimulationConfig(num_steps=num_steps),
