@@ -114,6 +114,7 @@ class PullReport:
         shard_bytes: the s chosen by Alg. 1; num_shards: K.
         estimated_seconds: Alg. 2's makespan for the shards that were missing at the start.
         seconds: wall time of the whole pull, probes included.
+        transfer_seconds: wall time of the shard transfer alone (after probes and manifests).
         bytes_by_donor / shards_by_donor: verified shard bytes / shards received from each donor.
         failed_donors: donor -> why it was dropped (probe failure, disagreeing manifest, fault).
         num_shard_requests: shard requests sent, failed ones included.
@@ -126,6 +127,7 @@ class PullReport:
     num_shards: int = 0
     estimated_seconds: float = 0.0
     seconds: float = 0.0
+    transfer_seconds: float = 0.0
     bytes_by_donor: dict[str, int] = field(default_factory=dict)
     shards_by_donor: dict[str, int] = field(default_factory=dict)
     failed_donors: dict[str, str] = field(default_factory=dict)
@@ -347,6 +349,7 @@ class _ShardFetcher:
         async with asyncio.TaskGroup() as group:
             self._group = group
             self.report.estimated_seconds = self._assign(missing) - started
+        self.report.transfer_seconds = time.monotonic() - started
         if not self.store.is_complete():
             raise TransferError(f"{len(self.store.missing_shards())} shards missing and no donor left", self.report)
 
