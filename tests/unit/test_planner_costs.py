@@ -9,9 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costs import estimate_stage_costs, estimate_throughput, fill_workload, profile_group
+from planner.costs import (
+    estimate_averaging_floor, estimate_stage_costs, estimate_stage_delay, estimate_throughput, fill_workload,
+    profile_group,
+)
 from planner.evaluation import ArrangementScorer
-from planner.layer_split import split_layers
+from planner.layer_split import build_cost_matrix, split_layers
 from planner.plan import Plan, Stage
 from planner.scenarios import build_region_snapshot, build_transformer_profile
 from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot
@@ -110,3 +113,23 @@ def test_layer_split_dp_matches_enumeration(seed: int) -> None:
     plan = scorer.to_plan(arrangement, bounds)
     if np.isfinite(cost):
         assert estimate_throughput(snapshot, plan) == pytest.approx(model.microbatch_size / cost)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6), inflight=st.integers(1, 4))
+def test_vectorised_stage_matrix_matches_scalar_model(seed: int, inflight: int) -> None:
+    rng = np.random.default_rng(seed)
+    model = build_transformer_profile(num_layers=5, hidden_size=4096, sequence_length=2048)
+    snapshot = build_region_snapshot(
+        rng, num_devices=6, num_regions=2, model=model, unreliable_fraction=0.5,
+        memory_range_bytes=(4e9, 30e9),
+    )
+    servers = np.array(snapshot.reliable_indices()[:2])
+    clients = np.array(snapshot.unreliable_indices(), dtype=np.int64)
+    group = profile_group(snapshot, servers, clients)
+    matrix = build_cost_matrix(model, group, num_inflight=inflight, link_terms=None)
+    for a in range(5):
+        for b in range(a + 1, 6):
+            expected, _ = estimate_stage_delay(model, group, a, b, num_inflight=inflight)
+            expected = max(expected, estimate_averaging_floor(model, group, a, b))
+            assert matrix[a, b] == pytest.approx(expected, rel=1e-9)
