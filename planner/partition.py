@@ -52,7 +52,7 @@ class PartitionConfig:
     num_anneal_iterations: int = 3000
     num_refined: int = 1
     small_swarm_size: int = 12
-    reference_swarm_size: int = 256
+    reference_swarm_size: int = 128
     refinement: RefinementConfig = field(default_factory=RefinementConfig)
 
     def __post_init__(self) -> None:
