@@ -123,7 +123,7 @@ class StageAverager:
         with self.averager.get_tensors() as tensors, torch.no_grad():
             for tensor, live in zip(tensors, self.stage.averaged_tensors(), strict=True):
                 live.copy_(tensor.to(live.device))
-        self.stage.keep_snapshot(version=int(at))
+        self.stage.publish_averaged(version=int(at))
         return self.stage.params_digest()
 
 

@@ -2,16 +2,21 @@
 
 All torch work of a stage runs on one dedicated thread, so the event loop stays free for network
 I/O and compute never interleaves with itself. A microbatch's forward keeps its autograd graph
-until the gradient of its output comes back (the "backward retraces the route"); the optimizer
-step and in-stage averaging modify parameters in place, which would corrupt those graphs, so both
-run inside :meth:`Stage.paused`: new forwards wait at a gate, in-flight microbatches finish their
-backward, then the parameters change. Draining is deadlock-free because a stage waits only for
-stages *downstream* of it, never upstream.
+until the gradient of its output comes back (the "backward retraces the route").
 
-Gradients of a microbatch are accumulated as they arrive; after ``target_batch_size`` samples the
-stage divides by the number of microbatches, clips, and steps (delayed update per replica,
-seed 000 "Aggregation process"; replicas of a stage are averaged separately by
-:mod:`swarm.averaging`).
+Delayed parameter updates (seed 000 §3.2 "Aggregation process"; PipeDream-2BW's weight versions).
+The optimizer owns the *master* parameters (``self.model``'s). Forwards never touch them: each runs
+``torch.func.functional_call`` on the current *version*, a detached copy of the master taken after
+every optimizer step or averaging round. A step therefore never modifies a tensor an in-flight
+graph saved, so nothing drains: the pipeline keeps flowing through steps. Gradients of every
+backward are accumulated in a buffer by parameter name; after ``target_batch_size`` samples the stage
+divides by the number of microbatches, clips, sets the master's ``.grad`` and steps. Microbatches in
+flight across a step were computed on the previous version and count toward the next step (a
+one-step delay). Memory cost: one extra copy of the stage's parameters (two while old graphs live).
+
+:meth:`Stage.paused` excludes optimizer steps (forwards and backwards go on): in-stage averaging
+(:mod:`swarm.averaging`) uses it so that no local step falls between copying the state out and the
+average back in.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch.func import functional_call
 
 from dht.records import RunSpec
 from swarm.model import StageModel, next_token_loss
@@ -63,7 +69,7 @@ class StageCounters:
 
 
 class Stage:
-    """A stage replica: parameters, optimizer, pending graphs and the drain gate."""
+    """A stage replica: master parameters, optimizer, the current weight version and held graphs."""
 
     def __init__(self, spec: RunSpec, stage: int, *, device: torch.device) -> None:
         self.spec = spec
@@ -75,12 +81,12 @@ class Stage:
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # state frozen at the last averaging round
         self.counters = StageCounters()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
-        self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._weights: dict[str, torch.Tensor] = {}
+        self._publish_weights()
+        self._grad_buffer: dict[str, torch.Tensor] = {}
+        self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._in_flight: set[str] = set()  # ids between forward() and backward()/drop()
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._idle = asyncio.Condition()
-        self._num_pending = 0
+        self._step_lock = asyncio.Lock()
         self._accumulated_microbatches = 0
         self._accumulated_samples = 0
         self._step_task: asyncio.Task | None = None
@@ -106,23 +112,22 @@ class Stage:
         """Run ``fn`` on the stage's compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    @property
+    def num_held_graphs(self) -> int:
+        """Microbatches whose forward ran here and whose backward has not (or was dropped)."""
+        return len(self._in_flight)
+
     async def forward(self, mb_id: str, inputs: torch.Tensor) -> torch.Tensor:
         """Forward of a first or middle stage; keeps the graph until :meth:`backward` or :meth:`drop`."""
         if mb_id in self._in_flight:
             raise ValueError(f"microbatch {mb_id} is already in flight here")
         self._in_flight.add(mb_id)  # reserved before the first await: a concurrent duplicate is refused
         try:
-            await self._enter()
+            return await self.run(self._forward_sync, mb_id, inputs)
         except BaseException:
             self._in_flight.discard(mb_id)
+            self._graphs.pop(mb_id, None)
             raise
-        try:
-            outputs = await self.run(self._forward_sync, mb_id, inputs)
-        except BaseException:
-            self._in_flight.discard(mb_id)
-            await self._leave()
-            raise
-        return outputs
 
     async def backward(self, mb_id: str, grad_outputs: torch.Tensor) -> torch.Tensor | None:
         """Backward of a held graph; returns the gradient w.r.t. the inputs (None on stage 0)."""
@@ -132,22 +137,15 @@ class Stage:
             return await self.run(self._backward_sync, mb_id, grad_outputs)
         finally:
             self._in_flight.discard(mb_id)
-            await self._leave()
 
     async def drop(self, mb_id: str) -> None:
         """Release a held graph whose microbatch will not come back (its gradient is discarded)."""
-        if mb_id in self._in_flight:
-            self._in_flight.discard(mb_id)
-            self._graphs.pop(mb_id, None)
-            await self._leave()
+        self._in_flight.discard(mb_id)
+        self._graphs.pop(mb_id, None)
 
     async def forward_loss_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         """Last stage: forward, loss, backward in one go; returns the loss and the input gradient."""
-        await self._enter()
-        try:
-            return await self.run(self._forward_loss_backward_sync, inputs, targets)
-        finally:
-            await self._leave()
+        return await self.run(self._forward_loss_backward_sync, inputs, targets)
 
     def record_microbatch(self, batch_size: int, loss: float | None = None) -> None:
         """Count a finished microbatch; start an optimizer step once the batch is complete."""
@@ -163,16 +161,9 @@ class Stage:
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
-        """Hold new forwards and wait until no graph is held: parameters may change inside."""
-        while not self._gate.is_set():  # someone else is already draining: queue behind them
-            await self._gate.wait()
-        self._gate.clear()
-        try:
-            async with self._idle:
-                await self._idle.wait_for(lambda: self._num_pending == 0)
+        """No optimizer step runs inside; forwards and backwards go on (on the old weight version)."""
+        async with self._step_lock:
             yield
-        finally:
-            self._gate.set()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Parameters, optimizer state and the stage's identity as named CPU tensors (compute thread)."""
@@ -210,6 +201,7 @@ class Stage:
                 k: v.clone() if k == "step" else v.to(self.device) for k, v in entries.items()
             }
         self.counters.num_steps = int(steps)
+        self._publish_weights()
 
     def _parse_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         params = dict(self.model.named_parameters())
@@ -224,6 +216,10 @@ class Stage:
                 optim_state.setdefault(param_name, {})[entry] = value
         return optim_state
 
+    def accumulated_gradients(self) -> dict[str, torch.Tensor]:
+        """Gradients summed over the microbatches since the last step, by parameter name (a copy)."""
+        return {name: grad.clone() for name, grad in self._grad_buffer.items()}
+
     def averaged_tensors(self) -> list[torch.Tensor]:
         """The live tensors in-stage averaging agrees on, in a fixed order: parameters, then each
         parameter's AdamW ``exp_avg``, ``exp_avg_sq`` and ``step``. Averaging the moments too makes every
@@ -232,6 +228,12 @@ class Stage:
         params = list(self.model.parameters())
         moments = [self.optimizer.state[p][key] for key in OPTIMIZER_STATE_KEYS for p in params]
         return params + moments
+
+    def publish_averaged(self, version: int) -> None:
+        """After the master state was overwritten by an averaging round (compute thread): forwards move
+        to the new weights, and the state is frozen as the snapshot replicas serve to joiners."""
+        self._publish_weights()
+        self.keep_snapshot(version)
 
     def keep_snapshot(self, version: int) -> None:
         """Freeze the current state as the one replicas serve to joiners (call on the compute thread)."""
@@ -259,49 +261,58 @@ class Stage:
                 "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
             }
 
-    async def _enter(self) -> None:
-        # Re-check after every wake-up: between the gate opening and this task resuming, another
-        # pauser may have closed it again. No await between the check and the increment.
-        while not self._gate.is_set():
-            await self._gate.wait()
-        self._num_pending += 1
-
-    async def _leave(self) -> None:
-        async with self._idle:
-            self._num_pending -= 1
-            self._idle.notify_all()
-
     async def _step(self) -> None:
         try:
-            async with self.paused():
+            async with self._step_lock:
                 await self.run(self._step_sync)
         except Exception:
             logger.exception("optimizer step failed")
         finally:
             self._step_task = None
 
+    def _publish_weights(self) -> None:
+        """A new weight version: detached copies of the master that forwards from now on use."""
+        self._weights = {n: p.detach().clone().requires_grad_(True) for n, p in self.model.named_parameters()}
+
     def _forward_sync(self, mb_id: str, inputs: torch.Tensor) -> torch.Tensor:
         inputs = inputs.to(self.device)
         if inputs.is_floating_point():
             inputs.requires_grad_(True)
-        outputs = self.model(inputs)
-        self._graphs[mb_id] = (inputs, outputs)
+        weights = self._weights
+        outputs = functional_call(self.model, weights, (inputs,))
+        self._graphs[mb_id] = (inputs, outputs, weights)
         return outputs.detach().cpu()
 
     def _backward_sync(self, mb_id: str, grad_outputs: torch.Tensor) -> torch.Tensor | None:
-        inputs, outputs = self._graphs.pop(mb_id)
-        outputs.backward(grad_outputs.to(self.device, outputs.dtype))
+        inputs, outputs, weights = self._graphs.pop(mb_id)
+        grad_inputs = self._accumulate(outputs, grad_outputs.to(self.device, outputs.dtype), inputs, weights)
         self._count_accumulated(inputs.shape[0])
-        return inputs.grad.detach().cpu() if inputs.is_floating_point() else None
+        return grad_inputs
 
     def _forward_loss_backward_sync(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         inputs = inputs.to(self.device)
         if inputs.is_floating_point():  # token ids of a single-stage run need no gradient
             inputs.requires_grad_(True)
-        loss = next_token_loss(self.model(inputs), targets.to(self.device))
-        loss.backward()
+        weights = self._weights
+        loss = next_token_loss(functional_call(self.model, weights, (inputs,)), targets.to(self.device))
+        grad_inputs = self._accumulate(loss, None, inputs, weights)
         self._count_accumulated(inputs.shape[0])
-        return float(loss.detach()), inputs.grad.detach().cpu() if inputs.requires_grad else None
+        return float(loss.detach()), grad_inputs
+
+    def _accumulate(
+        self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None, inputs: torch.Tensor, weights: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Backward through one graph: add the weight gradients to the buffer, return the input gradient."""
+        names = list(weights)
+        wrt = [weights[n] for n in names] + ([inputs] if inputs.requires_grad else [])
+        grads = torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
+        for name, grad in zip(names, grads):
+            if grad is not None:
+                if name in self._grad_buffer:
+                    self._grad_buffer[name].add_(grad)
+                else:
+                    self._grad_buffer[name] = grad.detach().clone()
+        return grads[-1].detach().cpu() if inputs.requires_grad else None
 
     def _count_accumulated(self, batch_size: int) -> None:
         # on the compute thread, where the gradients accumulate: the step's divisor is exact
@@ -311,11 +322,13 @@ class Stage:
     def _step_sync(self) -> None:
         if self._accumulated_microbatches == 0:
             return
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.div_(self._accumulated_microbatches)
+        for name, param in self.model.named_parameters():
+            grad = self._grad_buffer.get(name)
+            param.grad = grad.div_(self._accumulated_microbatches) if grad is not None else None
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._grad_buffer = {}
         self._accumulated_microbatches = self._accumulated_samples = 0
         self.counters.num_steps += 1
+        self._publish_weights()

@@ -64,9 +64,10 @@ def test_remote_pipeline_gradients_equal_local_autograd(dht_nodes):
         expected = next_token_loss(reference[1](reference[0](inputs)), targets)
         expected.backward()
         assert loss == pytest.approx(expected.item(), rel=1e-5)
-        for remote, local in ((stage0.model, reference[0]), (stage1.model, reference[1])):
-            for (name, p), (_, q) in zip(remote.named_parameters(), local.named_parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        for remote, local in ((stage0, reference[0]), (stage1, reference[1])):
+            grads = remote.accumulated_gradients()
+            for name, q in local.named_parameters():
+                torch.testing.assert_close(grads[name], q.grad, rtol=1e-4, atol=1e-6, msg=name)
         assert stage1.counters.num_samples == stage0.counters.num_samples == SPEC.microbatch_size
         assert events[0]["route"] == [[dht0.peer_id.to_base58(), 0, 0], [peer1, 1, 0]]
 
@@ -109,8 +110,6 @@ def test_no_peer_of_next_stage_raises_and_releases_the_graph(dht_nodes):
         stage0, trainer, router = await first_stage_trainer(dht0)
         with pytest.raises(NoPeerAvailableError):
             await trainer.run_microbatch()
-        async with asyncio.timeout(5):
-            async with stage0.paused():  # would hang if the failed microbatch still held its graph
-                pass
+        assert stage0.num_held_graphs == 0  # the failed microbatch released its graph
 
     asyncio.run(main())
