@@ -8,14 +8,17 @@ donor -> joiner; requests the other way are tiny). Traffic goes only to namespac
 creates; they are deleted in ``finally``. Every process serves the same state (fixed seed); every
 pull is checked bit-identical (torch.equal) before its time counts. Methods, one run each:
 
-* lpt:      ``pull_state`` — probes, Alg. 1 (binary search on s) + Alg. 2 (greedy LPT), 4 donors;
-* even:     the same transport, shards split evenly (the planner sees four identical links);
+* lpt:      ``pull_state`` — probes, Alg. 1 (binary search on s) + Alg. 2 (greedy LPT), 4 donors,
+            queued shards re-planned with measured rates when a donor runs dry (the default);
+* lpt-static: the same without that re-planning (the plan from the probes alone);
+* even:     the same transport, shards split evenly (the planner sees four identical links), static;
 * single:   ``pull_state`` from the fastest donor only;
 * hivemind: ``DecentralizedAverager.load_state_from_peers`` (one donor: the one declaring the highest
             priority, here the fastest — hivemind at its best).
 
-Before the methods the joiner asks each donor for one manifest, so the donor's one-off snapshot copy
-(paid once per version whatever the number of joiners) is not counted. Prints one JSON line per
+Before the methods the joiner asks each donor for one manifest at the largest shard size, so the
+donor's one-off snapshot copy and first hash pass (paid once per version, by the first joiner only)
+are not counted. Prints one JSON line per
 method: ``{"bench": "replication", "method", "state_bytes", "seconds", "lower_bound_seconds",
 "ratio_to_lower_bound"}`` with lower bound = state bytes / sum of link rates.
 """
@@ -135,11 +138,13 @@ async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -
     config = transfer.TransferConfig(shard_timeout_floor=30.0)
     peer_ids = [d["peer_id"] for d in donors]
     for peer_id in peer_ids:  # warm-up: each donor's snapshot copy (see the module docstring)
-        await call_peer(p2p, peer_id, manifest_handler(RUN_ID), {"stage": STAGE, "shard_bytes": 1 << 28},
+        await call_peer(p2p, peer_id, manifest_handler(RUN_ID), {"stage": STAGE, "shard_bytes": config.search.max_shard_bytes},
                         timeout=METHOD_TIMEOUT, max_payload_bytes=0)
     fastest = max(donors, key=lambda d: d["rate_mbit"])["peer_id"]
     results = {}
-    for method, chosen, method_config in (("lpt", peer_ids, config), ("even", peer_ids, config),
+    static = dataclasses.replace(config, rebalance=False)
+    for method, chosen, method_config in (("lpt", peer_ids, config), ("lpt-static", peer_ids, static),
+                                          ("even", peer_ids, static),
                                           ("single", [fastest], dataclasses.replace(config, min_agreeing_donors=1))):
         real_probe = transfer.probe_donors
         if method == "even":
@@ -156,7 +161,7 @@ async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -
         report = result.report
         print(json.dumps({"method": method, "shard_bytes": report.shard_bytes, "num_shards": report.num_shards,
                           "estimated_seconds": round(report.estimated_seconds, 3),
-                          "transfer_seconds": round(report.transfer_seconds, 3),
+                          "phase_seconds": {k: round(v, 3) for k, v in report.phase_seconds.items()},
                           "bytes_by_donor": {p[-6:]: n for p, n in report.bytes_by_donor.items()},
                           "failed": report.failed_donors}), file=sys.stderr, flush=True)
     return results

@@ -192,6 +192,10 @@ class ReplicationServer:
         try:
             async with asyncio.timeout(self.request_timeout):
                 await write_message(writer, reply, reply_tensors)
+                # Hang up only after the caller did: the p2p daemon resets a stream whose local end
+                # closes while its peer still reads, and the tail of a large reply still queued on
+                # a slow link is lost (seen on a 400 Mbit/s tbf link with 16 MiB shards).
+                await reader.read(1)
         except (ConnectionError, OSError, asyncio.TimeoutError) as e:
             logger.debug(f"replication: could not send a reply: {e!r}")
         finally:

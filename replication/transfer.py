@@ -4,14 +4,15 @@ Seed 003 §III, over hivemind P2P (the donor side is ``replication/server.py``):
 
 1. **Probe** every donor u: a tiny probe gives d_u (t^prop: stream set-up + round trip, what each
    shard request pays), a ``probe_bytes`` probe gives b_u = (t_big - t_tiny) / probe_bytes
-   (t^trans). Donors are probed one after another: concurrent probes would share the joiner's
-   downlink and CPU and under-rate everyone.
+   (t^trans). All donors are probed at once, as they will send at once: the cost model gives
+   each donor a rate of its own, and that is the rate it has while the others send too.
 2. **Agree on the manifest**: ask every probed donor for the manifest (at the largest shard size:
    few digests, still one hash of every byte); the largest group of identical manifests wins
    (ties: higher version); donors outside it are dropped and reported. At least
    ``min_agreeing_donors`` must agree whenever that many answered.
 3. **Plan**: Alg. 1 (``plan_replication``) chooses s over the probed links; the manifest at s is
-   fetched from the agreeing donors, pinned to the agreed version, and compared again.
+   fetched, pinned to the agreed version, from the ``min_agreeing_donors`` fastest agreeing
+   donors and compared again (``agree_and_plan``).
 4. **Resume**: an interrupted download of the same version keeps its s (step 3 is skipped), and
    ``ShardStore.open`` keeps every shard already on disk that verifies against the new manifest.
 5. **Pull**: Alg. 2 (``replan``) assigns the missing shards; one worker per donor pulls its shards
@@ -19,7 +20,9 @@ Seed 003 §III, over hivemind P2P (the donor side is ``replication/server.py``):
    (``ShardStore.put_shard``). A donor that fails, stalls past its deadline (``shard_timeout_floor``
    + ``shard_timeout_slack`` x in-flight x (d_u + s b_u)), refuses, or serves a bad shard is
    dropped, and its shards go through Alg. 2 again over the survivors, counting when each
-   survivor will be free (f_u, tau^sync).
+   survivor will be free (f_u, tau^sync). When a donor runs out of shards while others still
+   have some queued (``rebalance``), the queued shards go through Alg. 2 again with the per-byte
+   time each donor actually achieved so far: a static plan is only as good as the probes.
 6. **Restore** the state from the verified buffer.
 
 With requests pipelined, a donor pays d_u once per ``max_in_flight_per_donor`` shards, so the
@@ -67,8 +70,11 @@ class TransferConfig:
     """How a joiner pulls state (seed 003 §III); composed into the peer's config.
 
     Attributes:
-        search: Alg. 1's bounds on the shard size s.
+        search: Alg. 1's bounds on the shard size s; the largest s (16 MiB by default) bounds the
+            memory of shards in flight (donors x ``max_in_flight_per_donor`` x s).
         max_in_flight_per_donor: shard requests outstanding per donor; raise on high-latency links.
+        rebalance: re-plan the queued shards with measured rates whenever a donor runs dry; turn
+            off only to measure the static plan.
         probe_bytes: size of the bandwidth probe (bytes, <= 4 MiB); larger is more accurate.
         num_probe_rounds: probes per donor and size; the fastest is kept (filters scheduler noise).
         request_timeout: seconds for one probe or manifest call.
@@ -80,8 +86,9 @@ class TransferConfig:
         manifest_limits: caps on what a donor's manifest may make us allocate.
     """
 
-    search: SearchConfig = field(default_factory=SearchConfig)
+    search: SearchConfig = field(default_factory=lambda: SearchConfig(max_shard_bytes=16 * 1024 * 1024))
     max_in_flight_per_donor: int = 2
+    rebalance: bool = True
     probe_bytes: int = 1024 * 1024
     num_probe_rounds: int = 2
     request_timeout: float = 10.0
@@ -101,6 +108,8 @@ class TransferConfig:
         for name in ("request_timeout", "shard_timeout_floor", "shard_timeout_slack"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if not isinstance(self.rebalance, bool):
+            raise ValueError(f"rebalance must be a bool, got {self.rebalance!r}")
         if not isinstance(self.search, SearchConfig) or not isinstance(self.manifest_limits, ManifestLimits):
             raise ValueError("search must be a SearchConfig and manifest_limits a ManifestLimits")
 
@@ -113,8 +122,9 @@ class PullReport:
         links: donor -> (d_u seconds per request, b_u seconds per byte) as probed.
         shard_bytes: the s chosen by Alg. 1; num_shards: K.
         estimated_seconds: Alg. 2's makespan for the shards that were missing at the start.
-        seconds: wall time of the whole pull, probes included.
-        transfer_seconds: wall time of the shard transfer alone (after probes and manifests).
+        seconds: wall time of the whole pull.
+        phase_seconds: wall time of each phase: "probe", "manifest" (agreement, plan, store
+            opened), "transfer" (the shards), "restore" (re-read, re-verify, rebuild tensors).
         bytes_by_donor / shards_by_donor: verified shard bytes / shards received from each donor.
         failed_donors: donor -> why it was dropped (probe failure, disagreeing manifest, fault).
         num_shard_requests: shard requests sent, failed ones included.
@@ -127,7 +137,7 @@ class PullReport:
     num_shards: int = 0
     estimated_seconds: float = 0.0
     seconds: float = 0.0
-    transfer_seconds: float = 0.0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     bytes_by_donor: dict[str, int] = field(default_factory=dict)
     shards_by_donor: dict[str, int] = field(default_factory=dict)
     failed_donors: dict[str, str] = field(default_factory=dict)
@@ -203,10 +213,11 @@ async def call_shard(request: _Request, peer_id: str, manifest: Manifest, index:
 
 async def probe_donors(request: _Request, donors: Sequence[str], report: PullReport) -> dict[str, NeighbourLink]:
     """Seed 003 §III-A's d_u and b_u for each donor that answers; the others go to the report."""
-    config, links = request.config, {}
-    for peer_id in donors:
+    config = request.config
+
+    async def probe(peer_id: str) -> NeighbourLink | None:
+        tiny, big = float("inf"), float("inf")
         try:
-            tiny, big = float("inf"), float("inf")
             for _ in range(config.num_probe_rounds):
                 tiny = min(tiny, await call_probe(request.p2p, peer_id, run_id=request.run_id, nbytes=0,
                                                   timeout=config.request_timeout))
@@ -214,11 +225,15 @@ async def probe_donors(request: _Request, donors: Sequence[str], report: PullRep
                                                 nbytes=config.probe_bytes, timeout=config.request_timeout))
         except _DONOR_FAULTS as e:
             _drop(report, peer_id, f"probe failed: {e}")
-            continue
+            return None
         per_byte = max((big - tiny) / config.probe_bytes, MIN_PER_BYTE_DELAY)
-        links[peer_id] = NeighbourLink(peer_id=peer_id, propagation_delay=tiny, per_byte_delay=per_byte)
-        report.links[peer_id] = (tiny, per_byte)
         logger.debug(f"replication: {peer_id[-6:]} d={tiny * 1e3:.2f} ms, {1e-6 / per_byte:.1f} MB/s")
+        return NeighbourLink(peer_id=peer_id, propagation_delay=tiny, per_byte_delay=per_byte)
+
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(probe(peer_id)) for peer_id in donors]
+    links = {task.result().peer_id: task.result() for task in tasks if task.result() is not None}
+    report.links.update({p: (link.propagation_delay, link.per_byte_delay) for p, link in links.items()})
     return links
 
 
@@ -270,36 +285,68 @@ async def pull_state(
         TransferError: the state could not be completed; its ``report`` says which donor failed how.
         ValueError: no donors given.
     """
-    started, report = time.monotonic(), PullReport()
+    report, clock = PullReport(), time.monotonic()
     donors = sorted(set(donors))
     if not donors:
         raise ValueError("pull_state needs at least one donor")
     request = _Request(p2p, run_id, stage, config)
     links = await probe_donors(request, donors, report)
+    clock = _lap(report, "probe", clock)
+    agreeing, manifest = await agree_and_plan(request, links, report, store_dir=store_dir)
+    report.shard_bytes, report.num_shards = manifest.shard_bytes, manifest.num_shards
+    store = await asyncio.to_thread(ShardStore.open, store_dir, manifest)
+    report.num_resumed = len(store.held_shards())
+    clock = _lap(report, "manifest", clock)
+    fetcher = _ShardFetcher(request, store, {p: links[p] for p in agreeing}, report)
+    await fetcher.run()
+    clock = _lap(report, "transfer", clock)
+    # Every shard was verified on arrival; a buffer filled in memory needs no second pass over the
+    # disk. Shards resumed from disk are read back by assemble(), which re-verifies them.
+    data = fetcher.assembled() or await asyncio.to_thread(store.assemble)
+    state = await asyncio.to_thread(restore_state, manifest, data, verify=False)
+    _lap(report, "restore", clock)
+    report.seconds = sum(report.phase_seconds.values())
+    logger.info(f"replication: stage {stage} v{manifest.version} pulled, {manifest.total_bytes} bytes in "
+                f"{report.seconds:.2f} s from {len(report.bytes_by_donor)} donors, "
+                f"{len(report.failed_donors)} dropped, {report.num_resumed} shards resumed")
+    return PullResult(manifest.version, state, report)
+
+
+def _lap(report: PullReport, phase: str, since: float) -> float:
+    now = time.monotonic()
+    report.phase_seconds[phase] = now - since
+    return now
+
+
+async def agree_and_plan(
+    request: _Request, links: dict[str, NeighbourLink], report: PullReport, *, store_dir: Path
+) -> tuple[list[str], Manifest]:
+    """Steps 2-3: the agreed manifest at the s of Alg. 1 (or of the download being resumed).
+
+    The manifest at s is asked of the ``min_agreeing_donors`` fastest agreeing donors only (of all
+    of them if one of those fails or disagrees): the digests at the first size already cover every
+    byte, so a donor that agreed there holds the same bytes and serves the right shards at any s,
+    and the others are spared a hash pass over their state.
+    """
+    config = request.config
     agreeing, first = await agree_on_manifest(request, sorted(links), report,
                                               shard_bytes=config.search.max_shard_bytes, version=None)
     shard_bytes = _read_resumable_shard_bytes(store_dir, first, config.manifest_limits)
     if shard_bytes is None:
         shard_bytes = plan_replication(first.total_bytes, [_pipelined(links[p], config) for p in agreeing],
                                        now=0.0, config=config.search).shard_bytes
-    manifest = first
-    if shard_bytes != first.shard_bytes:
-        agreeing, manifest = await agree_on_manifest(request, agreeing, report, shard_bytes=shard_bytes,
-                                                     version=first.version)
-        if (manifest.tensors, manifest.total_bytes) != (first.tensors, first.total_bytes):
-            raise TransferError("the manifest changed between shard sizes", report)
-    report.shard_bytes, report.num_shards = manifest.shard_bytes, manifest.num_shards
-    store = await asyncio.to_thread(ShardStore.open, store_dir, manifest)
-    report.num_resumed = len(store.held_shards())
-    fetcher = _ShardFetcher(request, store, {p: links[p] for p in agreeing}, report)
-    await fetcher.run()
-    data = await asyncio.to_thread(store.assemble)  # re-verifies every shard as it reads it
-    state = restore_state(manifest, data, verify=False)
-    report.seconds = time.monotonic() - started
-    logger.info(f"replication: stage {stage} v{manifest.version} pulled, {manifest.total_bytes} bytes in "
-                f"{report.seconds:.2f} s from {len(report.bytes_by_donor)} donors, "
-                f"{len(report.failed_donors)} dropped, {report.num_resumed} shards resumed")
-    return PullResult(manifest.version, state, report)
+    if shard_bytes == first.shard_bytes:
+        return agreeing, first
+    asked = sorted(agreeing, key=lambda p: (links[p].per_byte_delay, p))[: config.min_agreeing_donors]
+    confirmed, manifest = await agree_on_manifest(request, asked, report, shard_bytes=shard_bytes,
+                                                  version=first.version)
+    if len(confirmed) < len(asked):
+        asked = [p for p in agreeing if p not in report.failed_donors]
+        confirmed, manifest = await agree_on_manifest(request, asked, report, shard_bytes=shard_bytes,
+                                                      version=first.version)
+    if (manifest.tensors, manifest.total_bytes) != (first.tensors, first.total_bytes):
+        raise TransferError("the manifest changed between shard sizes", report)
+    return [p for p in agreeing if p not in report.failed_donors], manifest
 
 
 def _read_resumable_shard_bytes(store_dir: Path, agreed: Manifest, limits: ManifestLimits) -> int | None:
@@ -339,6 +386,11 @@ class _ShardFetcher:
         self.in_flight: dict[str, set[int]] = {peer_id: set() for peer_id in links}
         self.workers: dict[str, set[asyncio.Task]] = {peer_id: set() for peer_id in links}
         self.failed: set[str] = set()
+        # The state assembled in memory as verified shards arrive, when none comes from disk.
+        self.buffer = bytearray(self.manifest.total_bytes) if not store.held_shards() else None
+        self._filled: set[int] = set()
+        self.busy_seconds = dict.fromkeys(links, 0.0)  # worker time per shard slot, summed
+        self.num_bytes_done = dict.fromkeys(links, 0)
         self._lock = threading.Lock()
         self._credited: set[int] = set(store.held_shards())
         self._group: asyncio.TaskGroup | None = None
@@ -349,21 +401,34 @@ class _ShardFetcher:
         async with asyncio.TaskGroup() as group:
             self._group = group
             self.report.estimated_seconds = self._assign(missing) - started
-        self.report.transfer_seconds = time.monotonic() - started
         if not self.store.is_complete():
-            raise TransferError(f"{len(self.store.missing_shards())} shards missing and no donor left", self.report)
+            reasons = "; ".join(f"{p[-6:]}: {why}" for p, why in self.report.failed_donors.items())
+            raise TransferError(f"{len(self.store.missing_shards())} shards missing and no donor left ({reasons})",
+                                self.report)
 
     def _shard_seconds(self, peer_id: str) -> float:
         link = self.links[peer_id]
         return link.propagation_delay + self.manifest.shard_bytes * link.per_byte_delay
 
+    def _planning_link(self, peer_id: str, now: float) -> NeighbourLink:
+        """What Alg. 2 should assume of ``peer_id`` now: measured once it sent two shards, else probed.
+
+        A measured slot (worker time per shard / shards in flight) already holds d_u, hence d = 0.
+        f_u is when the donor finishes what it still has queued or in flight.
+        """
+        if self.num_bytes_done[peer_id] >= 2 * self.manifest.shard_bytes:
+            link = NeighbourLink(peer_id=peer_id, propagation_delay=0.0,
+                                 per_byte_delay=self.busy_seconds[peer_id] / self.num_bytes_done[peer_id])
+        else:
+            link = _pipelined(self.links[peer_id], self.request.config)
+        slot = link.propagation_delay + self.manifest.shard_bytes * link.per_byte_delay
+        num_pending = len(self.queues[peer_id]) + len(self.in_flight[peer_id])
+        return dataclasses.replace(link, free_time=now + num_pending * slot)
+
     def _assign(self, shards: Sequence[int]) -> float:
         """Alg. 2 over the surviving donors, each free once its queue drains; returns the makespan."""
         now, config = time.monotonic(), self.request.config
-        survivors = [
-            dataclasses.replace(_pipelined(self.links[p], config), free_time=now + self._shard_seconds(p) * (
-                len(self.queues[p]) + len(self.in_flight[p])) / config.max_in_flight_per_donor)
-            for p in sorted(self.links) if p not in self.failed]
+        survivors = [self._planning_link(p, now) for p in sorted(self.links) if p not in self.failed]
         if not shards or not survivors:
             return now
         plan = replan(shards, survivors, total_bytes=self.manifest.total_bytes,
@@ -386,6 +451,7 @@ class _ShardFetcher:
                 continue
             self.in_flight[peer_id].add(index)
             self.report.num_shard_requests += 1
+            num_sharing, started = len(self.in_flight[peer_id]), time.monotonic()
             try:
                 data = await call_shard(self.request, peer_id, self.manifest, index, timeout=deadline)
                 await asyncio.to_thread(self._store, peer_id, index, data)
@@ -394,6 +460,28 @@ class _ShardFetcher:
                 return
             finally:
                 self.in_flight[peer_id].discard(index)
+            self.busy_seconds[peer_id] += (time.monotonic() - started) / num_sharing
+            self.num_bytes_done[peer_id] += len(data)
+        self.workers[peer_id].discard(asyncio.current_task())  # so that _rebalance may start another
+        if config.rebalance and peer_id not in self.failed:
+            self._rebalance()
+
+    def _rebalance(self) -> None:
+        """Alg. 2 again over every shard still queued, with the rates measured so far."""
+        queued = sorted(index for queue in self.queues.values() for index in queue)
+        if queued:
+            for queue in self.queues.values():
+                queue.clear()
+            self._assign(queued)
+
+    def assembled(self) -> bytearray | None:
+        """The state buffer if every shard was verified and copied into it (None: use the store).
+
+        A worker cancelled while its thread stores a shard may leave the shard held on disk but
+        not yet copied here; the store then has it.
+        """
+        with self._lock:
+            return self.buffer if len(self._filled) == self.manifest.num_shards else None
 
     def _store(self, peer_id: str, index: int, data: memoryview) -> None:
         """Verifies and writes one shard, then credits its donor (in a thread: hashing and disk).
@@ -402,10 +490,14 @@ class _ShardFetcher:
         stores the shard; a shard that two donors delivered is credited once.
         """
         self.store.put_shard(index, data)
+        if self.buffer is not None:  # distinct shards are disjoint slices: no lock needed
+            start, end = self.manifest.shard_range(index)
+            memoryview(self.buffer)[start:end] = data
         with self._lock:
             if index in self._credited:
                 return
             self._credited.add(index)
+            self._filled.add(index)
             self.report.bytes_by_donor[peer_id] = self.report.bytes_by_donor.get(peer_id, 0) + len(data)
             self.report.shards_by_donor[peer_id] = self.report.shards_by_donor.get(peer_id, 0) + 1
 
