@@ -181,7 +181,7 @@ class Peer:
             self.state = "leaving"
             logger.info("leaving")
             if self.server is not None:
-                self.server.stop_accepting()
+                self.server.stop_accepting()  # upstream peers re-send to another replica from now on
             try:
                 await asyncio.wait_for(self._heartbeat_once(), timeout=2.0)
             except Exception as e:
@@ -193,6 +193,8 @@ class Peer:
             await asyncio.wait(self._tasks, timeout=LEAVE_TIMEOUT)  # the trainer finishes its in-flight work
             for task in self._tasks:
                 task.cancel()
+        if self.server is not None:
+            await self.server.stop(timeout=LEAVE_TIMEOUT)  # no request may reach a stage being shut down
         for closer in (self.averager and self.averager.shutdown, self.stage and self.stage.shutdown):
             if closer:
                 closer()

@@ -44,6 +44,10 @@ GRAD_CLIP_NORM = 1.0
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
+class StageClosedError(RuntimeError):
+    """The stage was shut down (the peer is leaving); no more compute is accepted."""
+
+
 @dataclass
 class StageCounters:
     """What the stage has done since the peer started (read by heartbeats and the dashboard)."""
@@ -90,6 +94,7 @@ class Stage:
         self._accumulated_microbatches = 0
         self._accumulated_samples = 0
         self._step_task: asyncio.Task | None = None
+        self._closed = False
 
     @property
     def is_first(self) -> bool:
@@ -109,7 +114,9 @@ class Stage:
         return (batch_size, seq_len) if self.is_first else (batch_size, seq_len, self.spec.model.d_model)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` on the stage's compute thread."""
+        """Run ``fn`` on the stage's compute thread; :class:`StageClosedError` after :meth:`shutdown`."""
+        if self._closed:
+            raise StageClosedError(f"stage {self.index} is shut down")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     @property
@@ -250,6 +257,7 @@ class Stage:
         return digest.hexdigest()
 
     def shutdown(self) -> None:
+        self._closed = True
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _init_optimizer_state(self) -> None:
@@ -265,6 +273,8 @@ class Stage:
         try:
             async with self._step_lock:
                 await self.run(self._step_sync)
+        except StageClosedError:
+            logger.debug("step skipped: the stage is shut down")
         except Exception:
             logger.exception("optimizer step failed")
         finally:

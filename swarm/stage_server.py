@@ -23,7 +23,7 @@ from hivemind.p2p import P2P
 
 from swarm.router import NoPeerAvailableError, Router
 from dht.rpc import forward_handler, state_handler
-from swarm.stage import Stage
+from swarm.stage import Stage, StageClosedError
 from dht.wire import ProtocolError, read_message, require_tensor, write_message
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class StageServer:
         self.num_refused = 0
         self._local_ids = itertools.count()
         self._accepting = True
+        self._active: set[asyncio.Task] = set()  # handler tasks serving a request right now
 
     async def start(self) -> None:
         run_id = self.stage.spec.run_id
@@ -62,6 +63,18 @@ class StageServer:
         """Refuse new microbatches (leaving): upstream peers re-send them to another replica."""
         self._accepting = False
 
+    async def stop(self, *, timeout: float) -> None:
+        """Unregister the handlers and wait up to ``timeout`` for the requests being served."""
+        self.stop_accepting()
+        run_id = self.stage.spec.run_id
+        for name in (forward_handler(run_id), state_handler(run_id)):
+            try:
+                await self.p2p.remove_binary_stream_handler(name)
+            except Exception as e:  # the daemon may already be gone
+                logger.debug(f"could not remove handler {name}: {e!r}")
+        if self._active:
+            await asyncio.wait(list(self._active), timeout=timeout)
+
     async def rpc_forward(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes)
 
@@ -69,6 +82,14 @@ class StageServer:
         await self._serve(reader, writer, self._process_download_state, max_payload_bytes=4096)
 
     async def _serve(self, reader, writer, process, *, max_payload_bytes: int) -> None:
+        task = asyncio.current_task()
+        self._active.add(task)
+        try:
+            await self._serve_one(reader, writer, process, max_payload_bytes=max_payload_bytes)
+        finally:
+            self._active.discard(task)
+
+    async def _serve_one(self, reader, writer, process, *, max_payload_bytes: int) -> None:
         reply: dict[str, Any] = {"ok": False}
         reply_tensors: list[torch.Tensor] = []
         try:
@@ -79,10 +100,15 @@ class StageServer:
             self.num_refused += 1
             logger.warning(f"refused a request: {e}")
             reply = {"ok": False, "error": str(e)[:500]}
+        except StageClosedError:
+            reply = {"ok": False, "error": "this peer is leaving"}
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug(f"request abandoned: {e!r}")
             writer.close()
             return
+        except Exception:  # a bug of ours: log it loudly, answer, keep serving the others
+            logger.exception("internal error while serving a request")
+            reply = {"ok": False, "error": "internal error"}
         try:
             await write_message(writer, reply, reply_tensors)
         except (ConnectionError, OSError) as e:
@@ -92,7 +118,7 @@ class StageServer:
 
     async def _process_forward(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list]:
         if not self._accepting:
-            raise ValueError("this peer is leaving")
+            raise StageClosedError("this peer is leaving")
         spec, stage = self.stage.spec, self.stage
         mb_id, route, batch_size = _check_forward_header(header, spec.microbatch_size, stage.index)
         activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")
