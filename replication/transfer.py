@@ -383,7 +383,7 @@ class _ShardFetcher:
         self.request, self.store, self.links, self.report = request, store, links, report
         self.manifest = store.manifest
         self.queues: dict[str, deque[int]] = {peer_id: deque() for peer_id in links}
-        self.in_flight: dict[str, set[int]] = {peer_id: set() for peer_id in links}
+        self.in_flight: dict[str, dict[int, float]] = {peer_id: {} for peer_id in links}  # index -> sent at
         self.workers: dict[str, set[asyncio.Task]] = {peer_id: set() for peer_id in links}
         self.failed: set[str] = set()
         # The state assembled in memory as verified shards arrive, when none comes from disk.
@@ -414,7 +414,7 @@ class _ShardFetcher:
         """What Alg. 2 should assume of ``peer_id`` now: measured once it sent two shards, else probed.
 
         A measured slot (worker time per shard / shards in flight) already holds d_u, hence d = 0.
-        f_u is when the donor finishes what it still has queued or in flight.
+        f_u is when the donor finishes what it still has queued or in flight, one slot each.
         """
         if self.num_bytes_done[peer_id] >= 2 * self.manifest.shard_bytes:
             link = NeighbourLink(peer_id=peer_id, propagation_delay=0.0,
@@ -422,6 +422,9 @@ class _ShardFetcher:
         else:
             link = _pipelined(self.links[peer_id], self.request.config)
         slot = link.propagation_delay + self.manifest.shard_bytes * link.per_byte_delay
+        # A donor that has kept a request unanswered for T seconds is taken to need T per shard
+        # now: a stalled donor attracts no queued shards while its deadline runs.
+        slot = max([slot, *(now - sent_at for sent_at in self.in_flight[peer_id].values())])
         num_pending = len(self.queues[peer_id]) + len(self.in_flight[peer_id])
         return dataclasses.replace(link, free_time=now + num_pending * slot)
 
@@ -449,9 +452,9 @@ class _ShardFetcher:
             index = queue.popleft()
             if index in self.store.held_shards():
                 continue
-            self.in_flight[peer_id].add(index)
+            started = self.in_flight[peer_id][index] = time.monotonic()
             self.report.num_shard_requests += 1
-            num_sharing, started = len(self.in_flight[peer_id]), time.monotonic()
+            num_sharing = len(self.in_flight[peer_id])
             try:
                 data = await call_shard(self.request, peer_id, self.manifest, index, timeout=deadline)
                 await asyncio.to_thread(self._store, peer_id, index, data)
@@ -459,7 +462,7 @@ class _ShardFetcher:
                 self._fail(peer_id, f"shard {index}: {type(e).__name__}: {e}")
                 return
             finally:
-                self.in_flight[peer_id].discard(index)
+                self.in_flight[peer_id].pop(index, None)
             self.busy_seconds[peer_id] += (time.monotonic() - started) / num_sharing
             self.num_bytes_done[peer_id] += len(data)
         self.workers[peer_id].discard(asyncio.current_task())  # so that _rebalance may start another
@@ -507,7 +510,7 @@ class _ShardFetcher:
             return
         self.failed.add(peer_id)
         _drop(self.report, peer_id, reason)
-        orphans = sorted((set(self.queues[peer_id]) | self.in_flight[peer_id]) - self.store.held_shards())
+        orphans = sorted((set(self.queues[peer_id]) | set(self.in_flight[peer_id])) - self.store.held_shards())
         self.queues[peer_id].clear()
         for task in self.workers[peer_id]:
             if task is not asyncio.current_task():

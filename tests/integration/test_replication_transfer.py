@@ -7,6 +7,7 @@ Node 0 of ``dht_nodes`` is the joiner, the others are donors. Faults are injecte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,7 @@ class CountingServer(ReplicationServer):
 
     async def load_shard(self, version: int, shard_bytes: int, index: int) -> bytes | bytearray | memoryview:
         self.requested.append(index)
+        self.shard_bytes = shard_bytes
         data = await super().load_shard(version, shard_bytes, index)
         return data if self.fault is None else await self.fault(self, index, data)
 
@@ -279,5 +281,62 @@ def test_hostile_requests_are_refused_and_the_donor_keeps_serving(dht_nodes, tmp
         result = await pull(joiner, [donor], tmp_path / "store")  # and it keeps serving
         assert_identical(result.state)
         assert result.report.shards_by_donor == {donor: result.report.num_shards}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_stalled_donor_is_dropped_at_its_deadline(dht_nodes, tmp_path):
+    (joiner, _), *donor_nodes = dht_nodes
+    donors, num_served_before_stall = peer_ids(donor_nodes), 2
+    config = dataclasses.replace(CONFIG, shard_timeout_floor=1.0, shard_timeout_slack=1.0)
+
+    async def main():
+        never = asyncio.Event()
+
+        async def stall_after_k(server: CountingServer, index: int, data):
+            if len(server.requested) > num_served_before_stall:
+                await never.wait()  # alive, connected, and silent
+            return data
+
+        servers = await start_donors(donor_nodes, [STATE] * 3, faults={0: stall_after_k})
+        result = await pull(joiner, donors, tmp_path / "store", config)
+        assert_identical(result.state)
+        report = result.report
+        assert list(report.failed_donors) == [donors[0]] and "Timeout" in report.failed_donors[donors[0]]
+        assert report.shards_by_donor.get(donors[0], 0) <= num_served_before_stall < len(servers[0].requested)
+        assert report.num_refetched >= 1
+        assert_accounted(result)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_queued_shards_move_from_a_slow_donor_to_the_idle_ones(dht_nodes, tmp_path):
+    """Donor 0 answers nothing until the others have sent every shard but its two in flight. Only
+    re-planning its queued shards onto the donors that ran dry lets them get that far; with a static
+    plan it would be dropped at its deadline instead."""
+    (joiner, _), *donor_nodes = dht_nodes
+    donors = peer_ids(donor_nodes)
+
+    async def main():
+        released, servers = asyncio.Event(), []
+
+        async def hold_donor_0(server: CountingServer, index: int, data):
+            num_shards = -(-STATE_BYTES // server.shard_bytes)
+            if server is servers[0]:
+                await released.wait()
+            elif sum(len(other.requested) for other in servers[1:]) >= num_shards - 2:
+                released.set()
+            return data
+
+        servers += await start_donors(donor_nodes, [STATE] * 3, faults={i: hold_donor_0 for i in range(3)})
+        result = await pull(joiner, donors, tmp_path / "store")
+        assert_identical(result.state)
+        report = result.report
+        assert report.failed_donors == {} and released.is_set()
+        assert report.shards_by_donor[donors[0]] == len(servers[0].requested) == 2
+        assert report.num_shard_requests == report.num_shards
+        assert_accounted(result)
 
     asyncio.run(main())
