@@ -1,7 +1,7 @@
 """Request/response calls over hivemind P2P binary streams, and the typed errors a caller handles.
 
-Handler names are namespaced by run: ``<run_id>.forward`` and ``<run_id>.state`` (swarm/),
-replication's own handlers likewise. Each call opens a
+Handler names are namespaced by run: ``<run_id>.forward`` (swarm/), and replication's
+``<run_id>.manifest``/``.shard``/``.probe`` likewise. Each call opens a
 binary stream through the local p2p daemon, sends one message, reads one reply, all under one
 deadline. Failures to reach a peer become :class:`PeerUnavailableError`; a peer that answered with a
 refusal becomes :class:`RemoteError`.
@@ -32,10 +32,6 @@ class RemoteError(RuntimeError):
 
 def forward_handler(run_id: str) -> str:
     return f"{run_id}.forward"
-
-
-def state_handler(run_id: str) -> str:
-    return f"{run_id}.state"
 
 
 async def call_peer(

@@ -42,6 +42,7 @@ class PeerConfig:
     request_timeout: float = field(default=60.0, metadata=_help("deadline of one pipeline request, seconds"))
     max_payload_mb: float = field(default=512.0, metadata=_help("largest message this peer accepts, MiB"))
     run_for: float = field(default=0.0, metadata=_help("leave after this many seconds of training (0: until Ctrl+C)"))
+    state_cache: str | None = field(default=None, metadata=_help("folder keeping downloaded state shards, so an interrupted join resumes instead of starting over"))
     metrics_file: str | None = field(default=None, metadata=_help("append one JSON line per event (microbatch, averaging round, status) to this file"))
     status_period: float = field(default=5.0, metadata=_help("seconds between status lines in the log"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))

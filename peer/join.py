@@ -7,19 +7,23 @@ function, apply the result (I/O).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import hivemind
-import torch
 from hivemind.p2p import P2P
 
 from dht.records import PeerRecord, RunSpec
 from dht.registry import fetch_run_ids, fetch_run_specs
+from peer.config import PeerConfig
 from peer.errors import UserError
 from planner.stage_choice import Joiner, StageMember, assign_joiners
+from replication.transfer import PullResult, TransferConfig, pull_state
 from swarm.model import stage_flops_per_sample
-from dht.rpc import PeerUnavailableError, RemoteError, call_peer, state_handler
 from swarm.stage import Stage
 from swarm.view import SwarmView
 
@@ -84,27 +88,32 @@ async def negotiate_stage(
             await asyncio.sleep(0.2)
 
 
-async def download_stage_state(
-    p2p: P2P, stage: Stage, donors: list[PeerRecord], *, timeout: float, max_payload_bytes: int
-) -> PeerRecord | None:
-    """Load the stage's state from the first donor that serves it (freshest version first).
+async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *, config: PeerConfig) -> PullResult:
+    """Pull the stage's state from all its current holders at once and load it (DESIGN §1 step 5).
 
-    The simple single-donor path; the multi-neighbour replication of ``replication/`` replaces it.
+    Shards are spread over the holders by seed 003's greedy LPT rule, verified against a manifest
+    the holders agree on, and re-planned onto the others if a holder fails; with ``--state-cache``
+    an interrupted join resumes from the shards it already has.
 
-    Returns:
-        the donor used, or None if no donor could serve it.
+    Raises:
+        TransferError: no holder could serve the state.
     """
-    for donor in sorted(donors, key=lambda r: (-r.version, r.peer_id)):
-        try:
-            reply, tensors = await call_peer(p2p, donor.peer_id, state_handler(stage.spec.run_id), {"stage": stage.index},
-                                             timeout=timeout, max_payload_bytes=max_payload_bytes)
-            names = reply.get("names")
-            if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names):
-                raise RemoteError("state reply names do not match its tensors")
-            state: dict[str, torch.Tensor] = dict(zip(names, tensors))
-            await stage.run(stage.load_state_tensors, state)
-            logger.info(f"downloaded stage {stage.index} state version {stage.version} from {donor.peer_id[-6:]}")
-            return donor
-        except (PeerUnavailableError, RemoteError, ValueError) as e:
-            logger.warning(f"could not download state from {donor.peer_id[-6:]}: {e}")
-    return None
+    transfer = TransferConfig(request_timeout=config.request_timeout,
+                              min_agreeing_donors=min(2, len(holders)))
+    with _state_dir(config, stage) as store_dir:
+        result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.run_id,
+                                  stage=stage.index, store_dir=store_dir, config=transfer)
+    await stage.run(stage.load_state_tensors, result.state)
+    return result
+
+
+@contextlib.contextmanager
+def _state_dir(config: PeerConfig, stage: Stage) -> Iterator[Path]:
+    """``--state-cache``/<run>/stage<k> (kept, so a restarted join resumes), else a temporary folder."""
+    if config.state_cache:
+        path = Path(config.state_cache).expanduser() / stage.spec.run_id / f"stage{stage.index}"
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="murmuration-state-") as tmp:
+        yield Path(tmp)

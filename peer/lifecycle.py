@@ -19,9 +19,10 @@ from dht.records import PeerRecord, RunSpec
 from dht.registry import declare_peer, dht_time
 from peer.config import PeerConfig
 from peer.errors import UserError
-from peer.join import download_stage_state, fetch_spec, negotiate_stage
+from peer.join import fetch_spec, negotiate_stage, pull_stage_state
 from peer.metrics import MetricsLog
 from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
+from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
 from swarm.model import stage_flops_per_sample
@@ -48,6 +49,7 @@ class Peer:
         self.stage: Stage | None = None
         self.view: SwarmView | None = None
         self.server: StageServer | None = None
+        self.replication: ReplicationServer | None = None
         self.averager: StageAverager | None = None
         self.trainer: Trainer | None = None
         self.peer_id = ""
@@ -121,11 +123,10 @@ class Peer:
         if not holders:
             logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
             return
-        donor = await download_stage_state(self.p2p, self.stage, holders, timeout=self.config.request_timeout,
-                                           max_payload_bytes=int(self.config.max_payload_mb * MIB))
-        if donor is None:
-            raise RuntimeError(f"stage {self.stage.index} has {len(holders)} holders but none served its state")
-        self.metrics.write("state_download", donor=donor.peer_id, version=self.stage.version)
+        result = await pull_stage_state(self.p2p, self.stage, holders, config=self.config)
+        self.metrics.write("state_download", version=result.version, seconds=result.report.seconds,
+                           bytes_by_donor=result.report.bytes_by_donor, failed_donors=result.report.failed_donors,
+                           donor=max(result.report.bytes_by_donor, key=result.report.bytes_by_donor.get))
 
     async def _train(self, stop: asyncio.Event) -> None:
         config, spec, stage = self.config, self.spec, self.stage
@@ -140,6 +141,9 @@ class Peer:
                                   request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                                   on_microbatch=self._on_microbatch)
         await self.server.start()
+        self.replication = ReplicationServer(self.p2p, run_id=spec.run_id, stage=stage.index,
+                                             snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout)
+        await self.replication.start()
         self.averager = StageAverager(stage, self.dht, self.view, client_mode=self.role == "unreliable" or config.client_mode,
                                       on_round=self._on_round)
         self.view.start()
@@ -193,6 +197,8 @@ class Peer:
             await asyncio.wait(self._tasks, timeout=LEAVE_TIMEOUT)  # the trainer finishes its in-flight work
             for task in self._tasks:
                 task.cancel()
+        if self.replication is not None:
+            await self.replication.shutdown()
         if self.server is not None:
             await self.server.stop(timeout=LEAVE_TIMEOUT)  # no request may reach a stage being shut down
         for closer in (self.averager and self.averager.shutdown, self.stage and self.stage.shutdown):
@@ -243,6 +249,16 @@ class Peer:
                         f"| peers per stage {per_stage}")
             self.metrics.write("status", stage=self.stage.index, step=self.stage.version, loss=counters.last_loss,
                                tokens_per_s=tokens_per_s, samples=counters.num_samples, peers_per_stage=per_stage)
+
+    async def _serving_snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """What this peer serves to joiners: the state of its last averaging round, which every replica
+        of the stage holds bit-identical (so several donors serve one manifest); before any round, its
+        current state."""
+        if self.stage.snapshot is not None:
+            return self.stage.snapshot
+        state = await self.stage.run(self.stage.state_tensors)
+        del state["counters.num_steps"]
+        return self.stage.version, state
 
     def _on_microbatch(self, event: dict) -> None:
         self.metrics.write("microbatch", stage=self.stage.index, **event)

@@ -1,4 +1,4 @@
-"""The RPC handlers a stage serves: ``rpc_forward`` (the pipeline) and ``rpc_download_state``.
+"""The RPC handler a stage serves for the pipeline: ``rpc_forward`` (its state is served by replication/).
 
 ``rpc_forward`` receives a microbatch's activations (and its targets, which travel with it to the
 last stage), runs this stage's forward, and either computes the loss here (last stage) or sends the
@@ -22,7 +22,7 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.router import NoPeerAvailableError, Router
-from dht.rpc import forward_handler, state_handler
+from dht.rpc import forward_handler
 from swarm.stage import Stage, StageClosedError
 from dht.wire import ProtocolError, read_message, require_tensor, write_message
 
@@ -55,9 +55,7 @@ class StageServer:
         self._active: set[asyncio.Task] = set()  # handler tasks serving a request right now
 
     async def start(self) -> None:
-        run_id = self.stage.spec.run_id
-        await self.p2p.add_binary_stream_handler(forward_handler(run_id), self.rpc_forward)
-        await self.p2p.add_binary_stream_handler(state_handler(run_id), self.rpc_download_state)
+        await self.p2p.add_binary_stream_handler(forward_handler(self.stage.spec.run_id), self.rpc_forward)
 
     def stop_accepting(self) -> None:
         """Refuse new microbatches (leaving): upstream peers re-send them to another replica."""
@@ -67,19 +65,15 @@ class StageServer:
         """Unregister the handlers and wait up to ``timeout`` for the requests being served."""
         self.stop_accepting()
         run_id = self.stage.spec.run_id
-        for name in (forward_handler(run_id), state_handler(run_id)):
-            try:
-                await self.p2p.remove_binary_stream_handler(name)
-            except Exception as e:  # the daemon may already be gone
-                logger.debug(f"could not remove handler {name}: {e!r}")
+        try:
+            await self.p2p.remove_binary_stream_handler(forward_handler(run_id))
+        except Exception as e:  # the daemon may already be gone
+            logger.debug(f"could not remove the forward handler: {e!r}")
         if self._active:
             await asyncio.wait(list(self._active), timeout=timeout)
 
     async def rpc_forward(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes)
-
-    async def rpc_download_state(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._serve(reader, writer, self._process_download_state, max_payload_bytes=4096)
 
     async def _serve(self, reader, writer, process, *, max_payload_bytes: int) -> None:
         task = asyncio.current_task()
@@ -144,14 +138,6 @@ class StageServer:
         grad = await stage.backward(local_id, grad_outputs)
         stage.record_microbatch(batch_size)
         return {"ok": True, "loss": reply.get("loss"), "route": reply.get("route")}, [grad]
-
-    async def _process_download_state(self, header: dict[str, Any], _tensors: list) -> tuple[dict, list]:
-        if header.get("stage") != self.stage.index:
-            raise ValueError(f"asked for stage {header.get('stage')!r}, this peer serves stage {self.stage.index}")
-        state = await self.stage.run(self.stage.state_tensors)
-        names = sorted(state)
-        reply = {"ok": True, "stage": self.stage.index, "version": self.stage.version, "names": names}
-        return reply, [state[name] for name in names]
 
 
 def _check_forward_header(header: dict[str, Any], max_batch: int, stage: int) -> tuple[str, list, int]:

@@ -57,6 +57,7 @@ def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
     wait_for(lambda: late.events("state_download") or not late.is_alive(), 90, "the late joiner's download")
     download = late.events("state_download")[0]
     assert download["version"] > 0, "the joiner should get the trained state, not the initial one"
+    assert len(download["bytes_by_donor"]) == 2 and not download["failed_donors"], download  # both holders served
     donor_stage = next(stage_of(p) for p in peers if p.events("joined")[0]["peer_id"] == download["donor"])
     wait_for(lambda: any(e["stage"] == stage_of(late) for e in late.events("status")) and
              late.events("status")[-1]["samples"] > 0, 60, "the late joiner to process microbatches")
