@@ -1,33 +1,25 @@
 """The joiner's side of state replication: pull one stage's state from several donors at once.
 
-Seed 003 §III, over hivemind P2P (the donor side is ``replication/server.py``):
+Seed 003 §III over hivemind P2P (the donor side is ``replication/server.py``; the steps, the
+wire format and every deviation are in docs/replication.md, "Transfer"):
 
-1. **Probe** every donor u: a tiny probe gives d_u (t^prop: stream set-up + round trip, what each
-   shard request pays), a ``probe_bytes`` probe gives b_u = (t_big - t_tiny) / probe_bytes
-   (t^trans). All donors are probed at once, as they will send at once: the cost model gives
-   each donor a rate of its own, and that is the rate it has while the others send too.
-2. **Agree on the manifest**: ask every probed donor for the manifest (at the largest shard size:
-   few digests, still one hash of every byte); the largest group of identical manifests wins
-   (ties: higher version); donors outside it are dropped and reported. At least
-   ``min_agreeing_donors`` must agree whenever that many answered.
-3. **Plan**: Alg. 1 (``plan_replication``) chooses s over the probed links; the manifest at s is
-   fetched, pinned to the agreed version, from the ``min_agreeing_donors`` fastest agreeing
-   donors and compared again (``agree_and_plan``).
-4. **Resume**: an interrupted download of the same version keeps its s (step 3 is skipped), and
-   ``ShardStore.open`` keeps every shard already on disk that verifies against the new manifest.
-5. **Pull**: Alg. 2 (``replan``) assigns the missing shards; one worker per donor pulls its shards
-   in order with up to ``max_in_flight_per_donor`` requests in flight. Each shard is hash-checked
-   (``ShardStore.put_shard``). A donor that fails, stalls past its deadline (``shard_timeout_floor``
-   + ``shard_timeout_slack`` x in-flight x (d_u + s b_u)), refuses, or serves a bad shard is
-   dropped, and its shards go through Alg. 2 again over the survivors, counting when each
-   survivor will be free (f_u, tau^sync). When a donor runs out of shards while others still
-   have some queued (``rebalance``), the queued shards go through Alg. 2 again with the per-byte
-   time each donor actually achieved so far: a static plan is only as good as the probes.
-6. **Restore** the state from the verified buffer.
+1. probe every donor, all at once: d_u (t^prop) from an empty probe, b_u (t^trans) from the slope
+   to a ``probe_bytes`` probe;
+2. agree on the manifest: the largest group of identical manifests wins, the other donors are
+   dropped and reported;
+3. Alg. 1 (``plan_replication``) chooses s, and the manifest at s is confirmed; a resumed download
+   keeps its s;
+4. ``ShardStore.open`` keeps the verified shards already on disk;
+5. Alg. 2 (``replan``) assigns the missing shards; per donor, one worker set pulls its queue with
+   ``max_in_flight_per_donor`` requests in flight. A donor that fails, stalls past its deadline,
+   refuses or serves a bad shard is dropped and its shards go through Alg. 2 again over the
+   survivors (f_u = when each is free); a donor that runs dry triggers Alg. 2 over every queued
+   shard with the rates measured so far;
+6. the state is rebuilt from the verified bytes.
 
-With requests pipelined, a donor pays d_u once per ``max_in_flight_per_donor`` shards, so the
-planner is given d_u / max_in_flight_per_donor (docs/replication.md: "a transport that pipelines
-requests should pass a smaller effective d_u").
+With requests pipelined a donor pays d_u once per ``max_in_flight_per_donor`` shards, so the planner
+is given d_u / max_in_flight_per_donor ("a transport that pipelines requests should pass a smaller
+effective d_u", docs/replication.md).
 """
 
 from __future__ import annotations
@@ -52,7 +44,8 @@ from dht.wire import ProtocolError
 from replication.assignment import NeighbourLink, SearchConfig, plan_replication, replan
 from replication.manifest import Manifest, ManifestError, ManifestLimits, restore_state
 from replication.server import (
-    MAX_PROBE_BYTES, MAX_REQUEST_SHARD_BYTES, MIN_REQUEST_SHARD_BYTES, manifest_handler, padded_bytes, probe_handler, shard_handler, unpack_bytes,
+    MAX_PROBE_BYTES, MAX_REQUEST_SHARD_BYTES, MIN_REQUEST_SHARD_BYTES, manifest_handler, padded_bytes,
+    probe_handler, shard_handler, unpack_bytes,
 )
 from replication.shard_store import MANIFEST_FILE, ShardStore
 
@@ -98,13 +91,11 @@ class TransferConfig:
     manifest_limits: ManifestLimits = field(default_factory=ManifestLimits)
 
     def __post_init__(self) -> None:
-        for name in ("max_in_flight_per_donor", "num_probe_rounds", "min_agreeing_donors"):
+        for name, high in (("max_in_flight_per_donor", 1 << 10), ("num_probe_rounds", 100),
+                           ("min_agreeing_donors", 1 << 10), ("probe_bytes", MAX_PROBE_BYTES)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(self.probe_bytes, bool) or not isinstance(self.probe_bytes, int) or not (
-                1 <= self.probe_bytes <= MAX_PROBE_BYTES):
-            raise ValueError(f"probe_bytes must be an int in [1, {MAX_PROBE_BYTES}], got {self.probe_bytes!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise ValueError(f"{name} must be an int in [1, {high}], got {value!r}")
         for name in ("request_timeout", "shard_timeout_floor", "shard_timeout_slack"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
@@ -202,8 +193,7 @@ async def call_manifest(request: _Request, peer_id: str, *, shard_bytes: int, ve
 async def call_shard(request: _Request, peer_id: str, manifest: Manifest, index: int, *, timeout: float) -> memoryview:
     """Shard ``index`` of ``manifest`` from ``peer_id`` (not yet hash-checked)."""
     start, end = manifest.shard_range(index)
-    header = {"stage": request.stage, "version": manifest.version, "shard_bytes": manifest.shard_bytes,
-              "index": index}
+    header = {"stage": request.stage, "version": manifest.version, "shard_bytes": manifest.shard_bytes, "index": index}
     reply, tensors = await call_peer(request.p2p, peer_id, shard_handler(request.run_id), header,
                                      timeout=timeout, max_payload_bytes=padded_bytes(end - start))
     if reply.get("index") != index or reply.get("nbytes") != end - start:
@@ -232,7 +222,7 @@ async def probe_donors(request: _Request, donors: Sequence[str], report: PullRep
 
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(probe(peer_id)) for peer_id in donors]
-    links = {task.result().peer_id: task.result() for task in tasks if task.result() is not None}
+    links = {link.peer_id: link for link in (task.result() for task in tasks) if link is not None}
     report.links.update({p: (link.propagation_delay, link.per_byte_delay) for p, link in links.items()})
     return links
 
@@ -323,11 +313,9 @@ async def agree_and_plan(
 ) -> tuple[list[str], Manifest]:
     """Steps 2-3: the agreed manifest at the s of Alg. 1 (or of the download being resumed).
 
-    The manifest at s is asked of the ``min_agreeing_donors`` fastest agreeing donors only (of all
-    of them if one of those fails or disagrees): the digests at the first size already cover every
-    byte, so a donor that agreed there holds the same bytes and serves the right shards at any s,
-    and the others are spared a hash pass over their state.
-    """
+    The manifest at s is asked of the ``min_agreeing_donors`` fastest agreeing donors (of all if
+    one of those fails or disagrees): the first digests cover every byte, so the other agreeing
+    donors hold the same bytes, and are spared a hash pass."""
     config = request.config
     agreeing, first = await agree_on_manifest(request, sorted(links), report,
                                               shard_bytes=config.search.max_shard_bytes, version=None)
@@ -350,12 +338,9 @@ async def agree_and_plan(
 
 
 def _read_resumable_shard_bytes(store_dir: Path, agreed: Manifest, limits: ManifestLimits) -> int | None:
-    """The s of an interrupted download of the same state in ``store_dir``, if there is one.
-
-    Resuming keeps the old s: shards are byte ranges of size s, so a new s would orphan every
-    shard already held. The stored manifest is not trusted here; the donors re-confirm it at
-    that s, and ``ShardStore.open`` re-verifies every shard file against what they confirm.
-    """
+    """The s of an interrupted download of the same state in ``store_dir`` (a new s would orphan
+    every shard held). Not trusted: the donors confirm the manifest at that s, and
+    ``ShardStore.open`` re-verifies every shard file against what they confirm."""
     try:
         stored = Manifest.from_wire(msgpack.unpackb((store_dir / MANIFEST_FILE).read_bytes()), limits=limits)
     except FileNotFoundError:
@@ -388,11 +373,10 @@ class _ShardFetcher:
         self.failed: set[str] = set()
         # The state assembled in memory as verified shards arrive, when none comes from disk.
         self.buffer = bytearray(self.manifest.total_bytes) if not store.held_shards() else None
-        self._filled: set[int] = set()
         self.busy_seconds = dict.fromkeys(links, 0.0)  # worker time per shard slot, summed
         self.num_bytes_done = dict.fromkeys(links, 0)
         self._lock = threading.Lock()
-        self._credited: set[int] = set(store.held_shards())
+        self._credited: set[int] = set(store.held_shards())  # in ``buffer`` too, when there is one
         self._group: asyncio.TaskGroup | None = None
 
     async def run(self) -> None:
@@ -413,9 +397,8 @@ class _ShardFetcher:
     def _planning_link(self, peer_id: str, now: float) -> NeighbourLink:
         """What Alg. 2 should assume of ``peer_id`` now: measured once it sent two shards, else probed.
 
-        A measured slot (worker time per shard / shards in flight) already holds d_u, hence d = 0.
-        f_u is when the donor finishes what it still has queued or in flight, one slot each.
-        """
+        A measured slot (worker time per shard / shards in flight) holds d_u, hence d = 0; f_u is
+        when the donor is through what it has queued or in flight, one slot each."""
         if self.num_bytes_done[peer_id] >= 2 * self.manifest.shard_bytes:
             link = NeighbourLink(peer_id=peer_id, propagation_delay=0.0,
                                  per_byte_delay=self.busy_seconds[peer_id] / self.num_bytes_done[peer_id])
@@ -484,7 +467,7 @@ class _ShardFetcher:
         not yet copied here; the store then has it.
         """
         with self._lock:
-            return self.buffer if len(self._filled) == self.manifest.num_shards else None
+            return self.buffer if len(self._credited) == self.manifest.num_shards else None
 
     def _store(self, peer_id: str, index: int, data: memoryview) -> None:
         """Verifies and writes one shard, then credits its donor (in a thread: hashing and disk).
@@ -500,7 +483,6 @@ class _ShardFetcher:
             if index in self._credited:
                 return
             self._credited.add(index)
-            self._filled.add(index)
             self.report.bytes_by_donor[peer_id] = self.report.bytes_by_donor.get(peer_id, 0) + len(data)
             self.report.shards_by_donor[peer_id] = self.report.shards_by_donor.get(peer_id, 0) + 1
 
