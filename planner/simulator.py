@@ -18,6 +18,25 @@ Model (seed 000 §3.2 runtime, timed as in §4.1):
 * Averaging with delayed parameter updates (seed 000 "Aggregation process") overlaps the next
   step, so a step lasts ``max(pipeline time, averaging time)``; averaging is parameter-server
   style: every member sends and receives ``W_k / |S_k|`` to and from each server.
+
+Runtime variants (``SimulationConfig``; the defaults are the seed's model above):
+
+* ``is_whole_microbatch``: a micro-batch goes whole to one member per stage instead of being cut
+  into chunks; the member is the one that would finish it first (queued work plus this task,
+  client latency included), and its backward returns to the same member. Stage-0 members inject
+  their own micro-batches, ``max_inflight`` each. This is a task pool that clients pull whole
+  tasks from, and Murmuration's router (each microbatch to one replica, least loaded first).
+  Stage-0 servers own the data: each injects ``max_inflight`` micro-batches of its own, which
+  it or a stage-0 client computes.
+* ``is_fifo``: a device runs its tasks in arrival order (Murmuration: one compute thread per
+  stage, no schedule) instead of backward first.
+* ``is_fused_last_stage``: the last stage runs forward and backward as one task.
+* ``is_draining=False``: steps do not drain the pipeline (delayed parameter updates with weight
+  versions); all ``num_steps * d`` micro-batches flow through one run and the first step is a
+  warm-up: the throughput counts the later steps only, each lasting ``max(its time, averaging)``.
+  Churn needs the draining model (a device is back at the next step) and is refused here.
+
+``SimulationConfig.murmuration`` sets all four, as ``bench/simulator_check.py`` uses it.
 """
 
 from __future__ import annotations
@@ -45,6 +64,12 @@ class SimulationConfig:
         failure_detect_delay: seconds before a vanished device's work is noticed.
         is_task_pool: True re-queues lost chunks (seed 000); False restarts the micro-batch (SWARM).
         is_averaging: include the per-stage averaging time.
+        is_whole_microbatch: route each micro-batch whole to one member per stage; ``max_inflight``
+            then counts per stage-0 member (0 means 4).
+        is_fifo: run each device's tasks in arrival order rather than backward first.
+        is_fused_last_stage: the last stage's forward and backward are one task.
+        is_draining: the pipeline drains at every step; False for delayed updates (no drain,
+            first step a warm-up, needs ``num_steps >= 2`` and no churn).
     """
 
     num_steps: int = 3
@@ -53,6 +78,10 @@ class SimulationConfig:
     failure_detect_delay: float = 2.0
     is_task_pool: bool = True
     is_averaging: bool = True
+    is_whole_microbatch: bool = False
+    is_fifo: bool = False
+    is_fused_last_stage: bool = False
+    is_draining: bool = True
 
     def __post_init__(self) -> None:
         if self.num_steps < 1 or self.max_inflight < 0:
@@ -61,6 +90,16 @@ class SimulationConfig:
             raise ValueError("disconnect_probability must lie in [0, 1]")
         if self.failure_detect_delay < 0:
             raise ValueError("failure_detect_delay must be >= 0")
+        if not self.is_draining and (self.num_steps < 2 or self.disconnect_probability > 0):
+            raise ValueError("is_draining=False needs num_steps >= 2 and no churn")
+
+    @classmethod
+    def murmuration(cls, *, num_steps: int, max_inflight_per_peer: int = 4) -> SimulationConfig:
+        """Murmuration's runtime: whole micro-batches, FIFO compute, fused last stage, no drain."""
+        return cls(
+            num_steps=num_steps, max_inflight=max_inflight_per_peer, is_whole_microbatch=True, is_fifo=True,
+            is_fused_last_stage=True, is_draining=False,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,12 +111,15 @@ class SimulationResult:
         step_delays: seconds per step.
         num_lost_chunks: chunks lost to disconnections.
         num_restarts: micro-batches restarted from stage 0 (no task pool).
+        wasted_seconds: device-seconds of compute thrown away: the lost part of interrupted tasks
+            and, on a restart, every task the micro-batch had finished.
     """
 
     throughput: float
     step_delays: tuple[float, ...]
     num_lost_chunks: int
     num_restarts: int
+    wasted_seconds: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -134,27 +176,37 @@ def _build_links(snapshot: SwarmSnapshot, plan: Plan) -> list[tuple[float, float
 
 
 class _StepRun:
-    """Event loop of one step. Tasks are ``(mb, generation, stage, direction, samples)``."""
+    """Event loop of one step (or of the whole run without drains).
+
+    Tasks are ``(mb, generation, stage, direction, samples)``; direction 0 is forward, 1 backward.
+    """
 
     def __init__(
-        self, snapshot: SwarmSnapshot, stages: list[_StageModel], links: list, config: SimulationConfig
+        self, snapshot: SwarmSnapshot, stages: list[_StageModel], links: list, config: SimulationConfig,
+        *, num_microbatches: int, layer_ends: list[int],
     ) -> None:
         self.flops = snapshot.flops
         self.model = snapshot.model
-        self.stages, self.links, self.config = stages, links, config
+        self.stages, self.links, self.config, self.layer_ends = stages, links, config, layer_ends
         self.time, self.events, self.sequence = 0.0, [], 0
         devices = [int(i) for stage in stages for i in stage.members]
         self.queue: dict[int, list] = {i: [] for i in devices}
         self.busy: dict[int, tuple | None] = {i: None for i in devices}
+        self.busy_since: dict[int, float] = {i: 0.0 for i in devices}
         self.epoch = {i: 0 for i in devices}
         self.down: set[int] = set()
         self.known_down: set[int] = set()
         self.detect_time: dict[int, float] = {}
-        self.stage_of = {int(i): k for k, stage in enumerate(stages) for i in stage.members}
         self.link_free = [[0.0, 0.0] for _ in links]
         self.pending: dict[tuple, int] = {}
-        self.generation = [0] * self.model.num_microbatches
-        self.num_done = self.num_lost = self.num_restarts = 0
+        self.num_microbatches = num_microbatches
+        self.generation = [0] * num_microbatches
+        self.owner: dict[int, int] = {}  # whole micro-batches: the stage-0 member that injected it
+        self.route: dict[tuple[int, int], int] = {}  # whole micro-batches: (mb, stage) -> member
+        self.work_done: dict[tuple[int, int], float] = {}  # (mb, generation) -> device-seconds
+        self.done_times: list[float] = []
+        self.num_lost = self.num_restarts = 0
+        self.wasted_seconds = 0.0
         self.next_microbatch = 0
 
     def push(self, time: float, kind: str, *payload: object) -> None:
@@ -162,36 +214,55 @@ class _StepRun:
         heapq.heappush(self.events, (time, self.sequence, kind, payload))
 
     def run(self, disconnects: list[tuple[float, int]]) -> float:
-        """Runs the step to its last micro-batch; returns the pipeline time in seconds."""
-        max_inflight = self.config.max_inflight or 2 * len(self.stages)
-        for _ in range(min(max_inflight, self.model.num_microbatches)):
-            self.inject()
+        """Runs to the last micro-batch; returns the time it finished, in seconds."""
+        if self.config.is_whole_microbatch:
+            lanes = self.config.max_inflight or 4
+            for _ in range(lanes):
+                for owner in self.stages[0].members[: self.stages[0].num_servers]:
+                    self.inject(int(owner))
+        else:
+            for _ in range(self.config.max_inflight or 2 * len(self.stages)):
+                self.inject(None)
         for time, device in disconnects:
             self.push(time, "disconnect", device)
-        while self.num_done < self.model.num_microbatches:
+        while len(self.done_times) < self.num_microbatches:
             self.time, _, kind, payload = heapq.heappop(self.events)
             getattr(self, f"on_{kind}")(*payload)
         return self.time
 
-    def inject(self) -> None:
+    def inject(self, owner: int | None) -> None:
+        if self.next_microbatch >= self.num_microbatches:
+            return
         mb = self.next_microbatch
         self.next_microbatch += 1
+        if owner is not None:
+            self.owner[mb] = owner
         self.start_stage(mb, self.generation[mb], 0, 0)
 
     def task_delay(self, device: int, task: tuple) -> float:
         mb, _, k, direction, samples = task
         stage = self.stages[k]
         position = int(np.flatnonzero(stage.members == device)[0])
-        fraction = FORWARD_FRACTION if direction == 0 else 1.0 - FORWARD_FRACTION
-        per_sample = stage.flops_per_sample * fraction / self.flops[device]
+        per_sample = stage.flops_per_sample * self.work_fraction(k, direction) / self.flops[device]
         per_sample += stage.boundary_bytes * stage.client_per_byte[position]
         return 2.0 * stage.client_latency[position] + samples * per_sample
 
+    def work_fraction(self, k: int, direction: int) -> float:
+        if self.config.is_fused_last_stage and k == len(self.stages) - 1:
+            return 1.0 if direction == 0 else 0.0
+        return FORWARD_FRACTION if direction == 0 else 1.0 - FORWARD_FRACTION
+
     def start_stage(self, mb: int, gen: int, k: int, direction: int) -> None:
+        if self.config.is_whole_microbatch:
+            self.pending[(mb, gen, k, direction)] = 1
+            task = (mb, gen, k, direction, float(self.model.microbatch_size))
+            if direction == 0:
+                self.route[(mb, k)] = self.choose_member(task)
+            self.enqueue(self.route[(mb, k)], task)
+            return
         stage = self.stages[k]
         alive = np.array([int(i) not in self.known_down for i in stage.members])
-        fraction = FORWARD_FRACTION if direction == 0 else 1.0 - FORWARD_FRACTION
-        per_sample = stage.flops_per_sample * fraction / self.flops[stage.members]
+        per_sample = stage.flops_per_sample * self.work_fraction(k, direction) / self.flops[stage.members]
         per_sample = np.maximum(per_sample + stage.boundary_bytes * stage.client_per_byte, 1e-30)
         caps = np.where(alive, np.inf, 0.0)
         _, shares = fill_workload(2.0 * stage.client_latency, per_sample, caps, self.model.microbatch_size)
@@ -200,11 +271,32 @@ class _StepRun:
         for device, samples in chunks:
             self.enqueue(device, (mb, gen, k, direction, samples))
 
+    def choose_member(self, task: tuple) -> int:
+        """The live member that would finish ``task`` first.
+
+        At stage 0 the candidates are the server that owns the micro-batch and the stage's
+        clients: servers own data and inject their own micro-batches, clients pull from the pool.
+        """
+        mb, k = task[0], task[2]
+        stage = self.stages[k]
+        candidates = [int(i) for i in stage.members]
+        if k == 0 and self.owner.get(mb) not in self.known_down:
+            candidates = [self.owner[mb]] + [int(i) for i in stage.members[stage.num_servers:]]
+        alive = [d for d in candidates if d not in self.known_down]
+        return min(alive, key=lambda d: (self.backlog(d) + self.task_delay(d, task), d))
+
+    def backlog(self, device: int) -> float:
+        """Seconds of work ``device`` holds: the rest of its running task and its queue."""
+        seconds = sum(self.task_delay(device, task) for _, _, task in self.queue[device])
+        if self.busy[device] is not None:
+            seconds += max(0.0, self.busy_since[device] + self.task_delay(device, self.busy[device]) - self.time)
+        return seconds
+
     def enqueue(self, device: int, task: tuple) -> None:
         if device in self.down:  # handed to a device that vanished before anyone noticed
             self.push(max(self.time, self.detect_time[device]), "detect", device, [task])
             return
-        priority = (1 - task[3], task[0])  # backward first, then the oldest micro-batch
+        priority = (0, 0) if self.config.is_fifo else (1 - task[3], task[0])  # backward first, oldest first
         self.sequence += 1
         heapq.heappush(self.queue[device], (priority, self.sequence, task))
         self.try_start(device)
@@ -213,7 +305,7 @@ class _StepRun:
         if self.busy[device] is not None or device in self.down or not self.queue[device]:
             return
         _, _, task = heapq.heappop(self.queue[device])
-        self.busy[device] = task
+        self.busy[device], self.busy_since[device] = task, self.time
         self.push(self.time + self.task_delay(device, task), "done", device, self.epoch[device], task)
 
     def on_done(self, device: int, epoch: int, task: tuple) -> None:
@@ -222,20 +314,26 @@ class _StepRun:
         self.busy[device] = None
         mb, gen, k, direction, _ = task
         if gen == self.generation[mb]:
+            self.work_done[(mb, gen)] = self.work_done.get((mb, gen), 0.0) + self.time - self.busy_since[device]
             key = (mb, gen, k, direction)
             self.pending[key] -= 1
             if self.pending[key] == 0:
                 self.finish_stage(mb, gen, k, direction)
+        else:  # finished work of a micro-batch that was restarted meanwhile
+            self.wasted_seconds += self.time - self.busy_since[device]
         self.try_start(device)
 
     def finish_stage(self, mb: int, gen: int, k: int, direction: int) -> None:
         last = len(self.stages) - 1
         if direction == 0 and k == last:
-            self.start_stage(mb, gen, k, 1)
+            if self.config.is_fused_last_stage:
+                self.finish_stage(mb, gen, k, 1)
+            else:
+                self.start_stage(mb, gen, k, 1)
         elif direction == 1 and k == 0:
-            self.num_done += 1
-            if self.next_microbatch < self.model.num_microbatches:
-                self.inject()
+            self.done_times.append(self.time)
+            self.work_done.pop((mb, gen), None)
+            self.inject(self.owner.get(mb))
         else:
             boundary = k if direction == 0 else k - 1
             latency, per_byte = self.links[boundary][2 * direction: 2 * direction + 2]
@@ -258,6 +356,7 @@ class _StepRun:
         lost = [task for _, _, task in self.queue[device]]
         if self.busy[device] is not None:
             lost.append(self.busy[device])
+            self.wasted_seconds += self.time - self.busy_since[device]
         self.queue[device], self.busy[device] = [], None
         self.detect_time[device] = self.time + self.config.failure_detect_delay
         self.push(self.detect_time[device], "detect", device, lost)
@@ -273,8 +372,11 @@ class _StepRun:
                 stage = self.stages[k]
                 servers = [int(s) for s in stage.members[: stage.num_servers]]
                 target = min(servers, key=lambda s: (len(self.queue[s]) + (self.busy[s] is not None), s))
+                if self.config.is_whole_microbatch:
+                    self.route[(mb, k)] = target  # its backward follows (the seed recomputes there)
                 self.enqueue(target, task)
             else:
+                self.wasted_seconds += self.work_done.pop((mb, gen), 0.0)
                 self.generation[mb] += 1
                 self.num_restarts += 1
                 self.start_stage(mb, self.generation[mb], 0, 0)
@@ -287,14 +389,26 @@ def simulate_plan(
     plan.check_fits(snapshot)
     stages = _build_stage_models(snapshot, plan)
     links = _build_links(snapshot, plan)
-    unreliable = sorted({int(i) for s in stages for i in s.members} & set(snapshot.unreliable_indices()))
+    layer_ends = [s.layer_end for s in plan.stages]
     averaging = max(s.averaging_delay for s in stages) if config.is_averaging else 0.0
-    step_delays: list[float] = []
+    d = snapshot.model.num_microbatches
+    if not config.is_draining:
+        run = _StepRun(snapshot, stages, links, config, num_microbatches=d * config.num_steps, layer_ends=layer_ends)
+        run.run([])
+        ends = [0.0] + [run.done_times[(i + 1) * d - 1] for i in range(config.num_steps)]
+        step_delays = [max(b - a, averaging) for a, b in zip(ends[:-1], ends[1:])]
+        steady = step_delays[1:]  # the first step fills the pipeline: a warm-up, as on the real swarm
+        return SimulationResult(
+            throughput=len(steady) * snapshot.model.batch_size / sum(steady), step_delays=tuple(step_delays),
+            num_lost_chunks=0, num_restarts=0,
+        )
+    unreliable = sorted({int(i) for s in stages for i in s.members} & set(snapshot.unreliable_indices()))
+    step_delays = []
     num_lost = num_restarts = 0
+    wasted = 0.0
     horizon = None
     for _ in range(config.num_steps):
-        run = _StepRun(snapshot, stages, links, config)
-        run.layer_ends = [s.layer_end for s in plan.stages]
+        run = _StepRun(snapshot, stages, links, config, num_microbatches=d, layer_ends=layer_ends)
         disconnects = []
         for device in unreliable:
             if rng.random() < config.disconnect_probability:
@@ -304,8 +418,9 @@ def simulate_plan(
         horizon = pipeline_delay
         num_lost += run.num_lost
         num_restarts += run.num_restarts
+        wasted += run.wasted_seconds
     samples = config.num_steps * snapshot.model.batch_size
     return SimulationResult(
         throughput=samples / sum(step_delays), step_delays=tuple(step_delays),
-        num_lost_chunks=num_lost, num_restarts=num_restarts,
+        num_lost_chunks=num_lost, num_restarts=num_restarts, wasted_seconds=wasted,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -71,3 +73,74 @@ def test_churn_costs_time_and_task_pool_beats_restart() -> None:
     assert pooled.throughput < calm.throughput
     assert restarted.num_restarts > 0
     assert pooled.throughput >= restarted.throughput
+
+
+def _two_stage_plan(stage0: tuple[str, ...], stage1: tuple[str, ...]) -> Plan:
+    return Plan(stages=(
+        Stage(layer_start=0, layer_end=2, server_ids=stage0), Stage(layer_start=2, layer_end=4, server_ids=stage1),
+    ))
+
+
+def _equal_snapshot(num_devices: int, *, num_microbatches: int = 4, reliable: tuple[bool, ...] = ()) -> SwarmSnapshot:
+    reliable = reliable or (True,) * num_devices
+    devices = tuple(Device(peer_id=f"d{i}", flops=100.0, memory_bytes=10**12, is_reliable=r) for i, r in enumerate(reliable))
+    n = len(devices)
+    links = LinkMatrix(latency_delay=np.full((n, n), 1e-6), bandwidth=np.full((n, n), 1e12))
+    model = ModelProfile(
+        layer_flops=(300.0,) * 4, layer_param_bytes=(0.0,) * 4, layer_activation_bytes=(100.0,) * 4,
+        microbatch_size=2, num_microbatches=num_microbatches,
+    )
+    return SwarmSnapshot(devices=devices, links=links, model=model)
+
+
+@pytest.mark.parametrize(("stage0", "stage1", "expected"), [
+    (("d0",), ("d1",), 2 / 12.0),  # each stage: 2 samples x 600 FLOPs / 100 FLOP/s = 12 s a micro-batch
+    (("d0", "d1"), ("d2",), 2 / 12.0),  # stage 1 stays the bottleneck
+    (("d0", "d1"), ("d2", "d3"), 4 / 12.0),  # two replicas per stage: twice the rate
+])
+def test_murmuration_steady_state_is_the_bottleneck_rate(stage0: tuple, stage1: tuple, expected: float) -> None:
+    snapshot = _equal_snapshot(len(stage0) + len(stage1))
+    config = SimulationConfig.murmuration(num_steps=8, max_inflight_per_peer=4)
+    result = simulate_plan(snapshot, _two_stage_plan(stage0, stage1), config, rng=np.random.default_rng(0))
+    assert result.throughput == pytest.approx(expected, rel=0.01)
+
+
+def test_murmuration_with_one_in_flight_is_serial() -> None:
+    # One micro-batch at a time: forward 0 (4 s), fused stage 1 (12 s), backward 0 (8 s) = 24 s each.
+    config = SimulationConfig.murmuration(num_steps=4, max_inflight_per_peer=1)
+    result = simulate_plan(_equal_snapshot(2), _two_stage_plan(("d0",), ("d1",)), config, rng=np.random.default_rng(0))
+    assert result.throughput == pytest.approx(2 / 24.0, rel=0.01)
+
+
+def test_seed_model_drains_and_is_slower_than_no_drain() -> None:
+    snapshot, plan = _equal_snapshot(2), _two_stage_plan(("d0",), ("d1",))
+    drained = simulate_plan(snapshot, plan, SimulationConfig(num_steps=8, max_inflight=4), rng=np.random.default_rng(0))
+    flowing = simulate_plan(snapshot, plan, replace(SimulationConfig.murmuration(num_steps=8), is_fused_last_stage=False,
+                                                    is_fifo=False), rng=np.random.default_rng(0))
+    assert drained.throughput < 0.9 * flowing.throughput
+
+
+def test_no_drain_refuses_churn() -> None:
+    with pytest.raises(ValueError):
+        SimulationConfig(num_steps=4, is_draining=False, disconnect_probability=0.5)
+    with pytest.raises(ValueError):
+        SimulationConfig(num_steps=1, is_draining=False)
+
+
+def test_whole_microbatch_churn_task_pool_wastes_less_than_restart() -> None:
+    # Stage 1 has a reliable server and two unreliable clients that get whole micro-batches.
+    snapshot = _equal_snapshot(4, num_microbatches=16, reliable=(True, True, False, False))
+    plan = Plan(stages=(
+        Stage(layer_start=0, layer_end=1, server_ids=("d0",)),
+        Stage(layer_start=1, layer_end=4, server_ids=("d1",), client_ids=("d2", "d3")),
+    ))
+    base = dict(num_steps=4, max_inflight=8, is_whole_microbatch=True, failure_detect_delay=1.0)
+    calm = simulate_plan(snapshot, plan, SimulationConfig(**base), rng=np.random.default_rng(0))
+    pooled = simulate_plan(snapshot, plan, SimulationConfig(**base, disconnect_probability=1.0), rng=np.random.default_rng(0))
+    restarted = simulate_plan(snapshot, plan, SimulationConfig(**base, disconnect_probability=1.0, is_task_pool=False),
+                              rng=np.random.default_rng(0))
+    assert calm.num_lost_chunks == 0 and calm.wasted_seconds == 0.0
+    assert pooled.num_lost_chunks > 0 and pooled.num_restarts == 0
+    assert restarted.num_restarts > 0
+    assert pooled.throughput < calm.throughput
+    assert restarted.wasted_seconds > pooled.wasted_seconds
