@@ -53,6 +53,7 @@ class Peer:
         self.averager: StageAverager | None = None
         self.trainer: Trainer | None = None
         self.peer_id = ""
+        self._corpus = b""
         self.state = "joining"
         self.flops = 0.0
         self.announced_at = 0.0
@@ -86,6 +87,7 @@ class Peer:
         logger.info(f"joined the DHT as {self.peer_id} ({self.role})")
         self.spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout)
         logger.info(f"run spec: {self.spec.describe()}")
+        self._corpus = self._load_corpus()  # before choosing a stage: a data mistake is the user's to fix
         device = resolve_device(config.device)
         self.flops = await asyncio.to_thread(measure_flops, self.spec, device)
         logger.info(f"measured {self.flops / 1e9:.2f} GFLOP/s on {device}")
@@ -163,12 +165,14 @@ class Peer:
         await self._wait_stop(stop)
         train_stop.set()
 
-    def _make_sampler(self) -> TokenSampler:
+    def _load_corpus(self) -> bytes:
         try:
-            corpus = load_corpus(self.spec.dataset, self.config.data)
+            return load_corpus(self.spec.dataset, self.config.data)
         except DataError as e:
             raise UserError(f"Cannot load the training data: {e}.") from e
-        return TokenSampler(corpus, seq_len=self.spec.model.seq_len, seed=data_seed(self.spec.seed, self.peer_id))
+
+    def _make_sampler(self) -> TokenSampler:
+        return TokenSampler(self._corpus, seq_len=self.spec.model.seq_len, seed=data_seed(self.spec.seed, self.peer_id))
 
     async def _wait_stop(self, stop: asyncio.Event) -> None:
         timeout = self.config.run_for or None

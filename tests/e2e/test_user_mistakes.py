@@ -56,3 +56,16 @@ def test_stage_that_does_not_fit_in_memory(local_swarm):
     assert result.returncode == 3
     assert "needs about" in result.stderr and "raise --max-memory-mb" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_run_on_own_files_without_data(local_swarm, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    local_swarm.start_bootstrap("--data", str(corpus))
+    result, _ = run_peer("--bootstrap", *local_swarm.maddrs, "--join-timeout", "20")
+    assert result.returncode == 2
+    assert "Cannot load the training data: this run trains on its own text files" in result.stderr
+    other = tmp_path / "other.txt"
+    other.write_text("something else entirely. " * 400)
+    result, _ = run_peer("--bootstrap", *local_swarm.maddrs, "--join-timeout", "20", "--data", str(other))
+    assert result.returncode == 2 and "are not the run's dataset" in result.stderr
