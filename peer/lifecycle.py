@@ -25,6 +25,7 @@ from peer.profiler import available_memory_bytes, measure_flops, resolve_device,
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
+from swarm.membership import MembershipNotices
 from swarm.model import stage_flops_per_sample
 from swarm.router import Router
 from swarm.stage import Stage
@@ -50,6 +51,7 @@ class Peer:
         self.view: SwarmView | None = None
         self.server: StageServer | None = None
         self.replication: ReplicationServer | None = None
+        self.notices: MembershipNotices | None = None
         self.averager: StageAverager | None = None
         self.trainer: Trainer | None = None
         self.peer_id = ""
@@ -146,6 +148,9 @@ class Peer:
         self.replication = ReplicationServer(self.p2p, run_id=spec.run_id, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout)
         await self.replication.start()
+        self.notices = MembershipNotices(self.p2p, self.view, run_id=spec.run_id, peer_id=self.peer_id,
+                                         on_notice=lambda notice: self.metrics.write("notice", **notice))
+        await self.notices.start()
         self.averager = StageAverager(stage, self.dht, self.view, client_mode=self.role == "unreliable" or config.client_mode,
                                       on_round=self._on_round)
         self.view.start()
@@ -190,6 +195,11 @@ class Peer:
             logger.info("leaving")
             if self.server is not None:
                 self.server.stop_accepting()  # upstream peers re-send to another replica from now on
+            if self.notices is not None:
+                try:
+                    self.metrics.write("leave_announced", peers=await self.notices.announce_leave())
+                except Exception as e:
+                    logger.debug(f"could not send leave notices: {e!r}")
             try:
                 await asyncio.wait_for(self._heartbeat_once(), timeout=2.0)
             except Exception as e:
@@ -201,8 +211,9 @@ class Peer:
             await asyncio.wait(self._tasks, timeout=LEAVE_TIMEOUT)  # the trainer finishes its in-flight work
             for task in self._tasks:
                 task.cancel()
-        if self.replication is not None:
-            await self.replication.shutdown()
+        for service in (self.replication, self.notices):
+            if service is not None:
+                await service.shutdown()
         if self.server is not None:
             await self.server.stop(timeout=LEAVE_TIMEOUT)  # no request may reach a stage being shut down
         for closer in (self.averager and self.averager.shutdown, self.stage and self.stage.shutdown):

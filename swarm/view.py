@@ -24,15 +24,27 @@ class SwarmView:
         self.refresh_period = refresh_period
         self.records: list[PeerRecord] = []
         self.updated_at = 0.0
+        self._departed: dict[str, float] = {}  # peer id -> announce time of the record that departed
         self._task: asyncio.Task | None = None
 
     async def refresh(self) -> list[PeerRecord]:
         self.records = await fetch_peers(self.dht, self.run_id)
         self.updated_at = time.monotonic()
+        live = {r.peer_id for r in self.records}
+        self._departed = {p: at for p, at in self._departed.items() if p in live}  # its record expired: forget
         return self.records
 
     def members(self, stage: int, *, states: tuple[str, ...] = ("training",)) -> list[PeerRecord]:
-        return [r for r in self.records if r.stage == stage and r.state in states]
+        return [r for r in self.records if r.stage == stage and r.state in states and not self._has_departed(r)]
+
+    def mark_departed(self, peer_id: str) -> None:
+        """Treat ``peer_id`` as gone now, although its record may live on until it expires. A later
+        record of the same peer (it joined again: a newer announce time) brings it back."""
+        current = next((r.announced_at for r in self.records if r.peer_id == peer_id), 0.0)
+        self._departed[peer_id] = current
+
+    def _has_departed(self, record: PeerRecord) -> bool:
+        return record.peer_id in self._departed and record.announced_at <= self._departed[record.peer_id]
 
     def start(self) -> None:
         if self._task is None:

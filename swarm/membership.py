@@ -1,0 +1,96 @@
+"""Membership notices between peers: a leaving peer tells the others directly, not only via the DHT.
+
+Heartbeat records in the DHT expire after a TTL and views re-read them about once a second, so a
+departure is seen late. A peer that leaves (Ctrl+C, SIGTERM) therefore sends a small ``leave``
+notice to every peer in its view, concurrently and under a short deadline. A receiver drops the
+sender from its :class:`~swarm.view.SwarmView` at once, so routers stop choosing it even before its
+record expires (DESIGN §1 step 7, seed 003 §IV scale-in).
+
+A notice is accepted only about the peer that sends it (libp2p authenticates the stream's remote
+peer id), so nobody can announce someone else's departure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hivemind.p2p import P2P
+
+from dht.rpc import PeerUnavailableError, RemoteError, call_peer
+from dht.wire import ProtocolError, read_message, write_message
+from swarm.view import SwarmView
+
+logger = logging.getLogger(__name__)
+NOTICE_TIMEOUT = 1.0
+KINDS = ("leave",)
+
+
+def membership_handler(run_id: str) -> str:
+    return f"{run_id}.membership"
+
+
+class MembershipNotices:
+    """Serves ``rpc_notify`` and sends this peer's own leave notice."""
+
+    def __init__(
+        self, p2p: P2P, view: SwarmView, *, run_id: str, peer_id: str,
+        on_notice: Callable[[dict[str, Any]], None] = lambda notice: None,
+    ) -> None:
+        self.p2p, self.view, self.run_id, self.peer_id = p2p, view, run_id, peer_id
+        self.on_notice = on_notice
+        self.num_refused = 0
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(membership_handler(self.run_id), self.rpc_notify)
+
+    async def shutdown(self) -> None:
+        try:
+            await self.p2p.remove_binary_stream_handler(membership_handler(self.run_id))
+        except Exception as e:  # the daemon may already be gone
+            logger.debug(f"could not remove the membership handler: {e!r}")
+
+    async def rpc_notify(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reply: dict[str, Any] = {"ok": True}
+        try:
+            header, _ = await read_message(reader, max_payload_bytes=0, timeout=NOTICE_TIMEOUT)
+            sender = info.peer_id.to_base58()
+            if header.get("kind") not in KINDS:
+                raise ProtocolError(f"unknown notice kind {header.get('kind')!r:.40}")
+            self.view.mark_departed(sender)
+            logger.info(f"{sender[-6:]} announced its {header['kind']}")
+            self.on_notice({"kind": header["kind"], "peer_id": sender})
+        except ProtocolError as e:
+            self.num_refused += 1
+            logger.warning(f"refused a membership notice: {e}")
+            reply = {"ok": False, "error": str(e)[:200]}
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            logger.debug(f"membership notice abandoned: {e!r}")
+            writer.close()
+            return
+        try:
+            await write_message(writer, reply)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def announce_leave(self) -> int:
+        """Tell every peer in the view that this peer leaves; returns how many acknowledged."""
+        targets = [r.peer_id for r in self.view.records if r.peer_id != self.peer_id]
+        started = time.monotonic()
+        results = await asyncio.gather(*(self._notify(peer_id, "leave") for peer_id in targets))
+        logger.info(f"told {sum(results)}/{len(targets)} peers that this peer leaves ({time.monotonic() - started:.2f}s)")
+        return sum(results)
+
+    async def _notify(self, peer_id: str, kind: str) -> bool:
+        try:
+            await call_peer(self.p2p, peer_id, membership_handler(self.run_id), {"kind": kind},
+                            timeout=NOTICE_TIMEOUT, max_payload_bytes=0)
+            return True
+        except (PeerUnavailableError, RemoteError) as e:
+            logger.debug(f"could not notify {peer_id[-6:]}: {e}")
+            return False
