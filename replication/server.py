@@ -159,6 +159,11 @@ class ReplicationServer:
     async def rpc_probe(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve(reader, writer, self._process_probe)
 
+    def cached_shard_sizes(self, version: int) -> tuple[int, ...]:
+        """The shard sizes a manifest of ``version`` was built for and is still cached (for metrics)."""
+        held = self._versions.get(version)
+        return () if held is None else tuple(sorted(held.manifests))
+
     async def load_shard(self, version: int, shard_bytes: int, index: int) -> bytes | bytearray | memoryview:
         """The bytes of shard ``index`` of a held version (an override point for fault tests).
 

@@ -18,7 +18,8 @@ from hivemind.p2p import PeerID
 
 from dht.rpc import RemoteError, call_peer
 from dht.wire import read_message
-from replication.assignment import SearchConfig
+import replication.transfer as transfer
+from replication.assignment import NeighbourLink, SearchConfig
 from replication.server import ReplicationServer, manifest_handler, probe_handler, shard_handler
 from replication.shard_store import ShardStore
 from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
@@ -337,6 +338,34 @@ def test_queued_shards_move_from_a_slow_donor_to_the_idle_ones(dht_nodes, tmp_pa
         assert report.failed_donors == {} and released.is_set()
         assert report.shards_by_donor[donors[0]] == len(servers[0].requested) == 2
         assert report.num_shard_requests == report.num_shards
+        assert_accounted(result)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_manifest_at_the_planned_size_comes_from_the_two_fastest_donors_only(dht_nodes, tmp_path, monkeypatch):
+    (joiner, _), *donor_nodes = dht_nodes
+    donors = peer_ids(donor_nodes)
+    real_probe = transfer.probe_donors
+
+    async def probe_with_known_rates(request, peers, report):
+        await real_probe(request, peers, report)  # the donors do answer
+        # No per-request delay: Alg. 1 picks the smallest s, not the first round's largest one.
+        return {p: NeighbourLink(peer_id=p, propagation_delay=0.0, per_byte_delay=1e-9 * (1 + i))
+                for i, p in enumerate(donors)}
+
+    monkeypatch.setattr(transfer, "probe_donors", probe_with_known_rates)
+
+    async def main():
+        servers = await start_donors(donor_nodes, [STATE] * 3)
+        result = await pull(joiner, donors, tmp_path / "store")
+        assert_identical(result.state)
+        small, large = CONFIG.search.min_shard_bytes, CONFIG.search.max_shard_bytes
+        assert result.report.shard_bytes == small
+        assert [server.cached_shard_sizes(VERSION) for server in servers] == [(small, large)] * 2 + [(large,)]
+        assert set(result.report.shards_by_donor) == set(donors)  # the third serves without being asked
+        assert result.report.failed_donors == {}
         assert_accounted(result)
 
     asyncio.run(main())
