@@ -387,12 +387,7 @@ class _ShardFetcher:
             self.report.estimated_seconds = self._assign(missing) - started
         if not self.store.is_complete():
             reasons = "; ".join(f"{p[-6:]}: {why}" for p, why in self.report.failed_donors.items())
-            raise TransferError(f"{len(self.store.missing_shards())} shards missing and no donor left ({reasons})",
-                                self.report)
-
-    def _shard_seconds(self, peer_id: str) -> float:
-        link = self.links[peer_id]
-        return link.propagation_delay + self.manifest.shard_bytes * link.per_byte_delay
+            raise TransferError(f"shards missing and no donor left ({reasons})", self.report)
 
     def _planning_link(self, peer_id: str, now: float) -> NeighbourLink:
         """What Alg. 2 should assume of ``peer_id`` now: measured once it sent two shards, else probed.
@@ -429,8 +424,9 @@ class _ShardFetcher:
 
     async def _work(self, peer_id: str) -> None:
         queue, config = self.queues[peer_id], self.request.config
+        link = self.links[peer_id]
         deadline = config.shard_timeout_floor + config.shard_timeout_slack * config.max_in_flight_per_donor * (
-            self._shard_seconds(peer_id))
+            link.propagation_delay + self.manifest.shard_bytes * link.per_byte_delay)
         while queue and peer_id not in self.failed:
             index = queue.popleft()
             if index in self.store.held_shards():
