@@ -2,14 +2,21 @@
 
 Node 0 of ``dht_nodes`` is the joiner, the others are donors. Faults are injected at a known
 (donor, shard count) through ``ReplicationServer.load_shard`` overrides — no sleeps.
+
+The four DHT nodes and one event loop are shared by the tests of this module (starting 4 nodes
+per test made the file take 100 s on a loaded 2-core machine; a DHT's P2P replica belongs to the
+loop that made it). Each test serves under a run id of its own, so no handler of an earlier test
+is reached. The test that kills a donor gets nodes of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import struct
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,11 +30,48 @@ from replication.assignment import NeighbourLink, SearchConfig
 from replication.server import ReplicationServer, manifest_handler, probe_handler, shard_handler
 from replication.shard_store import ShardStore
 from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
+from tests.conftest import open_dht_nodes
 
 RUN, STAGE, VERSION = "rtest", 1, 7
 CONFIG = TransferConfig(search=SearchConfig(min_shard_bytes=64 * 1024, max_shard_bytes=256 * 1024),
                         request_timeout=10.0, shard_timeout_floor=10.0)
 pytestmark = pytest.mark.timeout(60)
+
+
+_RUN_IDS = (f"rtest{n}" for n in itertools.count())
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop for the module: a DHT caches its P2P replica, bound to the loop that made it."""
+    loop = asyncio.new_event_loop()
+    try:
+        yield loop
+    finally:
+        leftovers = asyncio.all_tasks(loop)
+        for task in leftovers:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def dht_nodes() -> Iterator[list]:
+    with open_dht_nodes(4) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def fresh_nodes() -> Iterator[list]:
+    with open_dht_nodes(4) as nodes:
+        yield nodes
+
+
+@pytest.fixture(autouse=True)
+def own_run_id(monkeypatch) -> None:
+    """A run id per test: the helpers below read ``RUN`` when called."""
+    monkeypatch.setattr(sys.modules[__name__], "RUN", next(_RUN_IDS))
 
 
 def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -98,8 +142,7 @@ def assert_accounted(result: PullResult) -> None:
     assert sum(report.shards_by_donor.values()) + report.num_resumed == report.num_shards
 
 
-@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
-def test_joiner_pulls_bit_identical_state_from_three_donors(dht_nodes, tmp_path):
+def test_joiner_pulls_bit_identical_state_from_three_donors(loop, dht_nodes, tmp_path):
     (joiner, _), *donor_nodes = dht_nodes
 
     async def main():
@@ -116,12 +159,11 @@ def test_joiner_pulls_bit_identical_state_from_three_donors(dht_nodes, tmp_path)
         assert sum(len(s.requested) for s in servers) == report.num_shards
         assert_accounted(result)
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
 
 
-@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
-def test_donor_that_dies_mid_transfer_is_dropped_and_its_shards_refetched(dht_nodes, tmp_path):
-    (joiner, _), *donor_nodes = dht_nodes
+def test_donor_that_dies_mid_transfer_is_dropped_and_its_shards_refetched(loop, fresh_nodes, tmp_path):
+    (joiner, _), *donor_nodes = fresh_nodes
     dying_dht, num_served_before_death = donor_nodes[0][0], 3
 
     async def die_after_k(server: CountingServer, index: int, data):
@@ -143,11 +185,10 @@ def test_donor_that_dies_mid_transfer_is_dropped_and_its_shards_refetched(dht_no
         assert not dying_dht.is_alive() and len(servers[0].requested) > num_served_before_death
         assert_accounted(result)
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
 
 
-@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
-def test_donor_serving_a_corrupted_shard_is_caught_and_dropped(dht_nodes, tmp_path):
+def test_donor_serving_a_corrupted_shard_is_caught_and_dropped(loop, dht_nodes, tmp_path):
     (joiner, _), *donor_nodes = dht_nodes
 
     async def flip_a_byte(server: CountingServer, index: int, data):
@@ -167,11 +208,10 @@ def test_donor_serving_a_corrupted_shard_is_caught_and_dropped(dht_nodes, tmp_pa
         assert set(report.shards_by_donor) == set(peer_ids(donor_nodes)) - {bad}
         assert_accounted(result)
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
 
 
-@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
-def test_interrupted_pull_resumes_without_refetching_held_shards(dht_nodes, tmp_path):
+def test_interrupted_pull_resumes_without_refetching_held_shards(loop, dht_nodes, tmp_path):
     (joiner, _), *donor_nodes = dht_nodes
     donors, store_dir, num_requests_before_cancel = peer_ids(donor_nodes), tmp_path / "store", 15
 
@@ -206,11 +246,10 @@ def test_interrupted_pull_resumes_without_refetching_held_shards(dht_nodes, tmp_
         assert num_missing <= len(again) <= num_missing + 6
         assert_accounted(result)
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
 
 
-@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
-def test_donor_with_a_disagreeing_manifest_is_dropped(dht_nodes, tmp_path):
+def test_donor_with_a_disagreeing_manifest_is_dropped(loop, dht_nodes, tmp_path):
     (joiner, _), *donor_nodes = dht_nodes
     donors = peer_ids(donor_nodes)
 
@@ -228,12 +267,11 @@ def test_donor_with_a_disagreeing_manifest_is_dropped(dht_nodes, tmp_path):
         assert len(refused.value.report.failed_donors) == 1  # the tie is broken, but nobody is trusted
         assert servers[0].requested == servers[2].requested == []
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
 
 
-@pytest.mark.parametrize("dht_nodes", [2], indirect=True)
-def test_hostile_requests_are_refused_and_the_donor_keeps_serving(dht_nodes, tmp_path):
-    (joiner, _), donor_node = dht_nodes
+def test_hostile_requests_are_refused_and_the_donor_keeps_serving(loop, dht_nodes, tmp_path):
+    (joiner, _), donor_node, *_ = dht_nodes
     donor = peer_ids([donor_node])[0]
     good = {"stage": STAGE, "shard_bytes": 65536}
     hostile = [
@@ -283,11 +321,10 @@ def test_hostile_requests_are_refused_and_the_donor_keeps_serving(dht_nodes, tmp
         assert_identical(result.state)
         assert result.report.shards_by_donor == {donor: result.report.num_shards}
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
 
 
-@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
-def test_stalled_donor_is_dropped_at_its_deadline(dht_nodes, tmp_path):
+def test_stalled_donor_is_dropped_at_its_deadline(loop, dht_nodes, tmp_path):
     (joiner, _), *donor_nodes = dht_nodes
     donors, num_served_before_stall = peer_ids(donor_nodes), 2
     config = dataclasses.replace(CONFIG, shard_timeout_floor=1.0, shard_timeout_slack=1.0)
@@ -309,11 +346,10 @@ def test_stalled_donor_is_dropped_at_its_deadline(dht_nodes, tmp_path):
         assert report.num_refetched >= 1
         assert_accounted(result)
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
 
 
-@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
-def test_queued_shards_move_from_a_slow_donor_to_the_idle_ones(dht_nodes, tmp_path):
+def test_queued_shards_move_from_a_slow_donor_to_the_idle_ones(loop, dht_nodes, tmp_path):
     """Donor 0 answers nothing until the others have sent every shard but its two in flight. Only
     re-planning its queued shards onto the donors that ran dry lets them get that far; with a static
     plan it would be dropped at its deadline instead."""
@@ -340,11 +376,10 @@ def test_queued_shards_move_from_a_slow_donor_to_the_idle_ones(dht_nodes, tmp_pa
         assert report.num_shard_requests == report.num_shards
         assert_accounted(result)
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
 
 
-@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
-def test_manifest_at_the_planned_size_comes_from_the_two_fastest_donors_only(dht_nodes, tmp_path, monkeypatch):
+def test_manifest_at_the_planned_size_comes_from_the_two_fastest_donors_only(loop, dht_nodes, tmp_path, monkeypatch):
     (joiner, _), *donor_nodes = dht_nodes
     donors = peer_ids(donor_nodes)
     real_probe = transfer.probe_donors
@@ -368,4 +403,4 @@ def test_manifest_at_the_planned_size_comes_from_the_two_fastest_donors_only(dht
         assert result.report.failed_donors == {}
         assert_accounted(result)
 
-    asyncio.run(main())
+    loop.run_until_complete(main())
