@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 
 from dht.wire import ProtocolError, read_message, write_message
 
@@ -28,6 +28,30 @@ class PeerUnavailableError(RuntimeError):
 
 class RemoteError(RuntimeError):
     """The peer answered, but refused the request; the message says why."""
+
+
+# What reaching a peer can fail with: the daemon could not dial or open the stream, the stream was
+# reset or cut short, or the deadline passed. Anything else is a bug of ours and propagates.
+_UNREACHABLE = (OSError, EOFError, asyncio.TimeoutError, asyncio.IncompleteReadError, P2PDaemonError, P2PHandlerError)
+
+
+async def send_reply(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: dict[str, Any],
+    tensors: Sequence[torch.Tensor] = (), *, timeout: float,
+) -> None:
+    """A handler's answer: write it, then hang up only after the caller did.
+
+    The p2p daemon resets a stream whose local end closes while the peer still reads, so the tail of
+    a large reply still queued on a slow link would be lost (seen on a 400 Mbit/s shaped link).
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            await write_message(writer, reply, tensors)
+            await reader.read(1)  # returns at the caller's hang-up
+    except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+        logger.debug(f"could not send a reply: {e!r}")
+    finally:
+        writer.close()
 
 
 def forward_handler(run_id: str) -> str:
@@ -53,9 +77,7 @@ async def call_peer(
             reply, reply_tensors = await read_message(reader, max_payload_bytes=max_payload_bytes, timeout=timeout)
     except ProtocolError as e:
         raise RemoteError(f"{peer_id[-6:]} sent a malformed reply: {e}") from e
-    except (OSError, EOFError, asyncio.TimeoutError, asyncio.IncompleteReadError, Exception) as e:
-        if isinstance(e, (RemoteError, asyncio.CancelledError)):
-            raise
+    except _UNREACHABLE as e:
         raise PeerUnavailableError(f"{peer_id[-6:]}: {type(e).__name__}: {str(e)[:200]}") from e
     finally:
         if writer is not None:

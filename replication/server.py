@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
-from dht.wire import ProtocolError, read_message, write_message
+from dht.rpc import send_reply
+from dht.wire import ProtocolError, read_message
 from replication.assignment import count_shards
 from replication.manifest import Manifest, build_manifest, hash_shard
 
@@ -194,17 +195,7 @@ class ReplicationServer:
             logger.debug(f"replication: request abandoned: {e!r}")
             writer.close()
             return
-        try:
-            async with asyncio.timeout(self.request_timeout):
-                await write_message(writer, reply, reply_tensors)
-                # Hang up only after the caller did: the p2p daemon resets a stream whose local end
-                # closes while its peer still reads, and the tail of a large reply still queued on
-                # a slow link is lost (seen on a 400 Mbit/s tbf link with 16 MiB shards).
-                await reader.read(1)
-        except (ConnectionError, OSError, asyncio.TimeoutError) as e:
-            logger.debug(f"replication: could not send a reply: {e!r}")
-        finally:
-            writer.close()
+        await send_reply(reader, writer, reply, reply_tensors, timeout=self.request_timeout)
 
     def _require_stage(self, header: Mapping[str, Any]) -> None:
         if header.get("stage") != self.stage or isinstance(header.get("stage"), bool):

@@ -20,8 +20,8 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
-from dht.rpc import PeerUnavailableError, RemoteError, call_peer
-from dht.wire import ProtocolError, read_message, write_message
+from dht.rpc import PeerUnavailableError, RemoteError, call_peer, send_reply
+from dht.wire import ProtocolError, read_message
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -71,12 +71,7 @@ class MembershipNotices:
             logger.debug(f"membership notice abandoned: {e!r}")
             writer.close()
             return
-        try:
-            await write_message(writer, reply)
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            writer.close()
+        await send_reply(reader, writer, reply, timeout=NOTICE_TIMEOUT)
 
     async def announce_leave(self) -> int:
         """Tell every peer in the view that this peer leaves; returns how many acknowledged."""

@@ -22,9 +22,9 @@ import torch
 from hivemind.p2p import P2P
 
 from swarm.router import NoPeerAvailableError, Router
-from dht.rpc import forward_handler
+from dht.rpc import forward_handler, send_reply
 from swarm.stage import Stage, StageClosedError
-from dht.wire import ProtocolError, read_message, require_tensor, write_message
+from dht.wire import ProtocolError, read_message, require_tensor
 
 logger = logging.getLogger(__name__)
 MAX_ROUTE_HOPS = 64
@@ -103,12 +103,7 @@ class StageServer:
         except Exception:  # a bug of ours: log it loudly, answer, keep serving the others
             logger.exception("internal error while serving a request")
             reply = {"ok": False, "error": "internal error"}
-        try:
-            await write_message(writer, reply, reply_tensors)
-        except (ConnectionError, OSError) as e:
-            logger.debug(f"could not send a reply: {e!r}")
-        finally:
-            writer.close()
+        await send_reply(reader, writer, reply, reply_tensors, timeout=self.request_timeout)
 
     async def _process_forward(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list]:
         if not self._accepting:
