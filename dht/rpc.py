@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,55 @@ class RemoteError(RuntimeError):
 # What reaching a peer can fail with: the daemon could not dial or open the stream, the stream was
 # reset or cut short, or the deadline passed. Anything else is a bug of ours and propagates.
 _UNREACHABLE = (OSError, EOFError, asyncio.TimeoutError, asyncio.IncompleteReadError, P2PDaemonError, P2PHandlerError)
+
+
+class Declined(RuntimeError):
+    """A handler's polite refusal of a well-formed request (leaving, nowhere to route it): answered
+    with the reason and logged at DEBUG, unlike bad input, which is a ``ProtocolError``/``ValueError``."""
+
+
+Process = Callable[[dict[str, Any], list[torch.Tensor]], Awaitable[tuple[dict[str, Any], Sequence[torch.Tensor]]]]
+
+
+async def serve_request(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Process, *,
+    max_payload_bytes: int, timeout: float, what: str, on_outcome: Callable[[str], None] = lambda outcome: None,
+) -> str:
+    """Serve one request on a handler's stream: read it, ``process`` it, answer, all under ``timeout``.
+
+    Bad input (``ProtocolError``, ``ValueError``, ``TypeError``) is refused with its reason and logged
+    as a warning; :class:`Declined` is answered with its reason; a stalled or vanished caller is
+    abandoned; any other exception is a bug of ours, logged with its traceback and answered as an
+    internal error. The handler keeps serving others in every case.
+
+    Returns:
+        "ok", "refused", "declined", "abandoned" or "error", also passed to ``on_outcome`` before the
+        answer is sent (so a caller that got its answer sees the outcome counted).
+    """
+    reply: dict[str, Any] = {"ok": False}
+    tensors: Sequence[torch.Tensor] = ()
+    try:
+        async with asyncio.timeout(timeout):
+            header, request_tensors = await read_message(reader, max_payload_bytes=max_payload_bytes, timeout=timeout)
+            reply, tensors = await process(header, request_tensors)
+        outcome = "ok"
+    except (ProtocolError, ValueError, TypeError) as e:
+        logger.warning(f"refused a {what} request: {e}")
+        reply, outcome = {"ok": False, "error": str(e)[:500]}, "refused"
+    except Declined as e:
+        logger.debug(f"declined a {what} request: {e}")
+        reply, outcome = {"ok": False, "error": str(e)[:500]}, "declined"
+    except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+        logger.debug(f"{what} request abandoned: {e!r}")
+        on_outcome("abandoned")
+        writer.close()
+        return "abandoned"
+    except Exception:
+        logger.exception(f"internal error while serving a {what} request")
+        reply, outcome = {"ok": False, "error": "internal error"}, "error"
+    on_outcome(outcome)
+    await send_reply(reader, writer, reply, tensors, timeout=timeout)
+    return outcome
 
 
 async def send_reply(

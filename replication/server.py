@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
-from dht.rpc import send_reply
-from dht.wire import ProtocolError, read_message
+from dht.rpc import serve_request
+from dht.wire import ProtocolError
 from replication.assignment import count_shards
 from replication.manifest import Manifest, build_manifest, hash_shard
 
@@ -180,22 +180,15 @@ class ReplicationServer:
         start = index * shard_bytes
         return held.data[start : start + shard_bytes]
 
+    def _count(self, outcome: str) -> None:
+        self.num_refused += outcome == "refused"
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Callable) -> None:
-        reply: dict[str, Any] = {"ok": False}
-        reply_tensors: list[torch.Tensor] = []
-        try:
-            async with asyncio.timeout(self.request_timeout):
-                header, _ = await read_message(reader, max_payload_bytes=0, timeout=self.request_timeout)
-                reply, reply_tensors = await process(header)
-        except (ProtocolError, ValueError, TypeError) as e:
-            self.num_refused += 1
-            logger.warning(f"replication: refused a request: {e}")
-            reply = {"ok": False, "error": str(e)[:500]}
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
-            logger.debug(f"replication: request abandoned: {e!r}")
-            writer.close()
-            return
-        await send_reply(reader, writer, reply, reply_tensors, timeout=self.request_timeout)
+        async def process_header(header: dict[str, Any], _tensors: list) -> tuple[dict[str, Any], list]:
+            return await process(header)
+
+        await serve_request(reader, writer, process_header, max_payload_bytes=0,
+                            timeout=self.request_timeout, what="replication", on_outcome=self._count)
 
     def _require_stage(self, header: Mapping[str, Any]) -> None:
         if header.get("stage") != self.stage or isinstance(header.get("stage"), bool):

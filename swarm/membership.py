@@ -20,8 +20,8 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
-from dht.rpc import PeerUnavailableError, RemoteError, call_peer, send_reply
-from dht.wire import ProtocolError, read_message
+from dht.rpc import PeerUnavailableError, RemoteError, call_peer, serve_request
+from dht.wire import ProtocolError
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -53,25 +53,22 @@ class MembershipNotices:
         except Exception as e:  # the daemon may already be gone
             logger.debug(f"could not remove the membership handler: {e!r}")
 
+    def _count(self, outcome: str) -> None:
+        self.num_refused += outcome == "refused"
+
     async def rpc_notify(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        reply: dict[str, Any] = {"ok": True}
-        try:
-            header, _ = await read_message(reader, max_payload_bytes=0, timeout=NOTICE_TIMEOUT)
-            sender = info.peer_id.to_base58()
+        sender = info.peer_id.to_base58()  # authenticated by libp2p: a notice speaks only for its sender
+
+        async def process(header: dict[str, Any], _tensors: list) -> tuple[dict[str, Any], list]:
             if header.get("kind") not in KINDS:
                 raise ProtocolError(f"unknown notice kind {header.get('kind')!r:.40}")
             self.view.mark_departed(sender)
             logger.info(f"{sender[-6:]} announced its {header['kind']}")
             self.on_notice({"kind": header["kind"], "peer_id": sender})
-        except ProtocolError as e:
-            self.num_refused += 1
-            logger.warning(f"refused a membership notice: {e}")
-            reply = {"ok": False, "error": str(e)[:200]}
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
-            logger.debug(f"membership notice abandoned: {e!r}")
-            writer.close()
-            return
-        await send_reply(reader, writer, reply, timeout=NOTICE_TIMEOUT)
+            return {"ok": True}, []
+
+        await serve_request(reader, writer, process, max_payload_bytes=0, timeout=NOTICE_TIMEOUT,
+                            what="membership", on_outcome=self._count)
 
     async def announce_leave(self) -> int:
         """Tell every peer in the view that this peer leaves; returns how many acknowledged."""

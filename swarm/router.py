@@ -26,13 +26,13 @@ import torch
 from hivemind.p2p import P2P
 
 from dht.records import PeerRecord
-from dht.rpc import PeerUnavailableError, RemoteError, call_peer, forward_handler
+from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, forward_handler
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 
 
-class NoPeerAvailableError(RuntimeError):
+class NoPeerAvailableError(Declined):
     """No peer of the next stage could take the microbatch."""
 
 

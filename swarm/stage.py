@@ -36,6 +36,7 @@ import torch
 from torch.func import functional_call
 
 from dht.records import RunSpec
+from dht.rpc import Declined
 from swarm.model import StageModel, next_token_loss
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ GRAD_CLIP_NORM = 1.0
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
-class StageClosedError(RuntimeError):
+class StageClosedError(Declined):
     """The stage was shut down (the peer is leaving); no more compute is accepted."""
 
 

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
-from swarm.router import NoPeerAvailableError, Router
-from dht.rpc import forward_handler, send_reply
-from swarm.stage import Stage, StageClosedError
-from dht.wire import ProtocolError, read_message, require_tensor
+from swarm.router import Router
+from dht.rpc import Declined, forward_handler, serve_request
+from swarm.stage import Stage
+from dht.wire import ProtocolError, require_tensor
 
 logger = logging.getLogger(__name__)
 MAX_ROUTE_HOPS = 64
@@ -75,39 +75,21 @@ class StageServer:
     async def rpc_forward(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes)
 
+    def _count(self, outcome: str) -> None:
+        self.num_refused += outcome == "refused"
+
     async def _serve(self, reader, writer, process, *, max_payload_bytes: int) -> None:
         task = asyncio.current_task()
         self._active.add(task)
         try:
-            await self._serve_one(reader, writer, process, max_payload_bytes=max_payload_bytes)
+            await serve_request(reader, writer, process, max_payload_bytes=max_payload_bytes,
+                                timeout=self.request_timeout, what="forward", on_outcome=self._count)
         finally:
             self._active.discard(task)
 
-    async def _serve_one(self, reader, writer, process, *, max_payload_bytes: int) -> None:
-        reply: dict[str, Any] = {"ok": False}
-        reply_tensors: list[torch.Tensor] = []
-        try:
-            async with asyncio.timeout(self.request_timeout):
-                header, tensors = await read_message(reader, max_payload_bytes=max_payload_bytes, timeout=self.request_timeout)
-                reply, reply_tensors = await process(header, tensors)
-        except (ProtocolError, ValueError, TypeError, NoPeerAvailableError) as e:
-            self.num_refused += 1
-            logger.warning(f"refused a request: {e}")
-            reply = {"ok": False, "error": str(e)[:500]}
-        except StageClosedError:
-            reply = {"ok": False, "error": "this peer is leaving"}
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
-            logger.debug(f"request abandoned: {e!r}")
-            writer.close()
-            return
-        except Exception:  # a bug of ours: log it loudly, answer, keep serving the others
-            logger.exception("internal error while serving a request")
-            reply = {"ok": False, "error": "internal error"}
-        await send_reply(reader, writer, reply, reply_tensors, timeout=self.request_timeout)
-
     async def _process_forward(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list]:
         if not self._accepting:
-            raise StageClosedError("this peer is leaving")
+            raise Declined("this peer is leaving")
         spec, stage = self.stage.spec, self.stage
         mb_id, route, batch_size = _check_forward_header(header, spec.microbatch_size, stage.index)
         activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")
