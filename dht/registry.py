@@ -7,7 +7,8 @@ malformed or hostile record never reaches the caller.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -16,6 +17,7 @@ from hivemind.utils import get_dht_time
 from dht.records import RUNS_KEY, PeerRecord, RunSpec, peers_key, spec_key
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SPEC_TTL = 6 * 3600.0
 
@@ -37,16 +39,8 @@ async def declare_run_spec(dht: hivemind.DHT, validator: RSASignatureValidator, 
 
 async def fetch_run_specs(dht: hivemind.DHT, run_id: str) -> list[RunSpec]:
     """Every valid spec published under ``run_id``, oldest publisher key first (deterministic)."""
-    specs = []
-    for _, value in await _fetch_dictionary(dht, spec_key(run_id)):
-        try:
-            spec = RunSpec.from_wire(value)
-        except ValueError as e:
-            logger.warning(f"ignoring a malformed run spec for {run_id}: {e}")
-            continue
-        if spec.run_id == run_id:
-            specs.append(spec)
-    return specs
+    specs = await _fetch_valid(dht, spec_key(run_id), RunSpec.from_wire, what=f"run spec for {run_id}")
+    return [spec for spec in specs if spec.run_id == run_id]
 
 
 async def fetch_run_ids(dht: hivemind.DHT) -> list[str]:
@@ -72,17 +66,23 @@ async def declare_peer(
 async def fetch_peers(dht: hivemind.DHT, run_id: str) -> list[PeerRecord]:
     """Live peer records of the run, sorted by peer id; malformed ones are logged and dropped."""
     records: dict[str, PeerRecord] = {}
-    for _, value in await _fetch_dictionary(dht, peers_key(run_id)):
-        try:
-            record = PeerRecord.from_wire(value)
-        except ValueError as e:
-            logger.warning(f"ignoring a malformed peer record in run {run_id}: {e}")
-            continue
+    for record in await _fetch_valid(dht, peers_key(run_id), PeerRecord.from_wire, what=f"peer record in run {run_id}"):
         # two keys claiming one peer id: keep the fresher one (highest version)
         previous = records.get(record.peer_id)
         if previous is None or record.version >= previous.version:
             records[record.peer_id] = record
     return [records[k] for k in sorted(records)]
+
+
+async def _fetch_valid(dht: hivemind.DHT, key: str, parse: Callable[[Any], T], *, what: str) -> list[T]:
+    """The values under ``key`` that ``parse`` accepts; each one it rejects is logged and dropped."""
+    parsed = []
+    for _, value in await _fetch_dictionary(dht, key):
+        try:
+            parsed.append(parse(value))
+        except ValueError as e:
+            logger.warning(f"ignoring a malformed {what}: {e}")
+    return parsed
 
 
 async def _fetch_dictionary(dht: hivemind.DHT, key: str) -> list[tuple[Any, Any]]:

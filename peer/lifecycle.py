@@ -55,6 +55,7 @@ class Peer:
         self.averager: StageAverager | None = None
         self.trainer: Trainer | None = None
         self.peer_id = ""
+        self.maddrs: tuple[str, ...] = ()
         self._corpus = b""
         self.state = "joining"
         self.flops = 0.0
@@ -86,6 +87,7 @@ class Peer:
         except BootstrapError as e:
             raise UserError(f"Cannot reach the swarm: {e}; check that the bootstrap is running and its multiaddr is right.") from e
         self.peer_id = self.dht.peer_id.to_base58()
+        self.maddrs = tuple(visible_maddrs(self.dht)[:4])  # read once: every heartbeat carries them
         logger.info(f"joined the DHT as {self.peer_id} ({self.role})")
         self.spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout)
         logger.info(f"run spec: {self.spec.describe()}")
@@ -234,7 +236,7 @@ class Peer:
             num_samples=counters.num_samples if counters else 0,
             version=self.stage.version if self.stage else 0,
             loss=counters.last_loss if counters else math.nan, announced_at=self.announced_at,
-            maddrs=tuple(visible_maddrs(self.dht)[:4]), params_digest=self.averaged[1], averaged_at=self.averaged[0],
+            maddrs=self.maddrs, params_digest=self.averaged[1], averaged_at=self.averaged[0],
         )
 
     async def _heartbeat_once(self, stage: int | None = None) -> None:

@@ -28,7 +28,6 @@ from dht.wire import read_message
 import replication.transfer as transfer
 from replication.assignment import NeighbourLink, SearchConfig
 from replication.server import ReplicationServer, manifest_handler, probe_handler, shard_handler
-from replication.shard_store import ShardStore
 from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
 from tests.conftest import open_dht_nodes
 
