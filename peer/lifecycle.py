@@ -22,6 +22,7 @@ from peer.errors import UserError
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state
 from peer.metrics import MetricsLog
 from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
+from peer.status import StatusHistory, sample_peer
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
@@ -62,6 +63,8 @@ class Peer:
         self.announced_at = 0.0
         self.averaged = (0.0, "")
         self._tasks: list[asyncio.Task] = []
+        self.started_at = time.monotonic()  # uptime in peer.status
+        self.history: StatusHistory | None = None  # recent counters, sampled once a second while training
 
     def log_prefix(self) -> str:
         stage = f" stage {self.stage.index} step {self.stage.version}" if self.stage else ""
@@ -91,6 +94,7 @@ class Peer:
         logger.info(f"joined the DHT as {self.peer_id} ({self.role})")
         self.spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout)
         logger.info(f"run spec: {self.spec.describe()}")
+        self.history = StatusHistory(seq_len=self.spec.model.seq_len)
         self._corpus = self._load_corpus()  # before choosing a stage: a data mistake is the user's to fix
         device = resolve_device(config.device)
         self.flops = await asyncio.to_thread(measure_flops, self.spec, device)
@@ -164,6 +168,7 @@ class Peer:
             ("heartbeat", self._heartbeat_loop(train_stop)),
             ("averaging", self.averager.run(train_stop)),
             ("status", self._status_loop(train_stop)),
+            ("history", self._history_loop(train_stop)),
         )]
         if stage.is_first:
             self.trainer = Trainer(stage, self._make_sampler(), router, peer_id=self.peer_id,
@@ -266,6 +271,12 @@ class Peer:
                         f"| peers per stage {per_stage}")
             self.metrics.write("status", stage=self.stage.index, step=self.stage.version, loss=counters.last_loss,
                                tokens_per_s=tokens_per_s, samples=counters.num_samples, peers_per_stage=per_stage)
+
+    async def _history_loop(self, stop: asyncio.Event) -> None:
+        """Sample the counters once a second: the recent rates and plots of peer.status read them."""
+        while not stop.is_set():
+            self.history.record(sample_peer(self))
+            await asyncio.sleep(1.0)
 
     async def _serving_snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """What this peer serves to joiners: the state of its last averaging round, which every replica

@@ -1,0 +1,177 @@
+"""A peer's own status as plain JSON-able data.
+
+One function, :func:`local_status`, is what every window onto a running peer reads: the health page
+and ``/status.json``, the Prometheus collector, the terminal view and the py-libp2p status protocol.
+It only reads the peer's attributes (no I/O, no awaits), so it is safe to call from any coroutine
+of the peer's event loop at any moment of its life, joining to leaving.
+
+Rates are over a recent window (:class:`StatusHistory`, sampled about once a second by the peer),
+not since start, so a peer that stalls shows it within seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import time
+import tomllib
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RATE_WINDOW = 10.0  # seconds of samples the recent rates are computed over
+MAX_HISTORY_POINTS = 720  # one point per sample period: an hour at 5 s
+
+
+def _software_version() -> str:
+    """The installed package's version, or pyproject's when run from a checkout that is not installed."""
+    try:
+        return importlib.metadata.version("murmuration")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+SOFTWARE_VERSION = _software_version()
+
+
+@dataclass(frozen=True)
+class StatusSample:
+    """The peer's cumulative counters at one moment (``t``: unix time)."""
+
+    t: float
+    num_samples: int
+    num_microbatches: int
+    loss: float
+    bytes_sent: int
+    bytes_received: int
+
+
+class StatusHistory:
+    """Samples of a peer's counters: recent rates, and the loss/throughput series the plots draw.
+
+    Args:
+        seq_len: tokens per sample, to turn samples/s into tokens/s.
+        window: seconds of samples the recent rates are computed over.
+        max_points: samples kept for the plots (the oldest are dropped).
+    """
+
+    def __init__(self, *, seq_len: int, window: float = RATE_WINDOW, max_points: int = MAX_HISTORY_POINTS) -> None:
+        self.seq_len = seq_len
+        self.window = window
+        self._samples: deque[StatusSample] = deque(maxlen=max_points)
+
+    def record(self, sample: StatusSample) -> None:
+        if self._samples and sample.t <= self._samples[-1].t:
+            return  # a clock step back or a double call: keep the series monotonic
+        self._samples.append(sample)
+
+    @property
+    def latest(self) -> StatusSample | None:
+        return self._samples[-1] if self._samples else None
+
+    def rates(self) -> dict[str, float]:
+        """Per-second rates over the last ``window`` seconds (0 with fewer than two samples)."""
+        if len(self._samples) < 2:
+            return {"samples_per_s": 0.0, "tokens_per_s": 0.0, "microbatches_per_s": 0.0,
+                    "bytes_sent_per_s": 0.0, "bytes_received_per_s": 0.0}
+        last = self._samples[-1]
+        first = next(s for s in self._samples if s.t >= last.t - self.window or s is last)
+        if first is last:
+            first = self._samples[-2]
+        return _rates_between(first, last, self.seq_len)
+
+    def series(self) -> list[dict[str, Any]]:
+        """One point per sample after the first: ``{"t", "loss", "tokens_per_s"}`` (loss None if unknown)."""
+        points = []
+        samples = list(self._samples)
+        for before, after in zip(samples, samples[1:]):
+            rates = _rates_between(before, after, self.seq_len)
+            points.append({"t": round(after.t, 3), "loss": _finite_or_none(after.loss),
+                           "tokens_per_s": round(rates["tokens_per_s"], 1)})
+        return points
+
+
+def _rates_between(first: StatusSample, last: StatusSample, seq_len: int) -> dict[str, float]:
+    elapsed = last.t - first.t
+    if elapsed <= 0:
+        return {"samples_per_s": 0.0, "tokens_per_s": 0.0, "microbatches_per_s": 0.0,
+                "bytes_sent_per_s": 0.0, "bytes_received_per_s": 0.0}
+    samples_per_s = max(0, last.num_samples - first.num_samples) / elapsed
+    return {
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * seq_len,
+        "microbatches_per_s": max(0, last.num_microbatches - first.num_microbatches) / elapsed,
+        "bytes_sent_per_s": max(0, last.bytes_sent - first.bytes_sent) / elapsed,
+        "bytes_received_per_s": max(0, last.bytes_received - first.bytes_received) / elapsed,
+    }
+
+
+def sample_peer(peer: Any, *, now: float | None = None) -> StatusSample:
+    """The peer's cumulative counters now (zeros before it holds a stage)."""
+    counters = peer.stage.counters if getattr(peer, "stage", None) is not None else None
+    traffic = getattr(peer, "traffic", None)
+    return StatusSample(
+        t=time.time() if now is None else now,
+        num_samples=counters.num_samples if counters else 0,
+        num_microbatches=counters.num_microbatches if counters else 0,
+        loss=counters.last_loss if counters else math.nan,
+        bytes_sent=traffic.bytes_sent if traffic is not None else 0,
+        bytes_received=traffic.bytes_received if traffic is not None else 0,
+    )
+
+
+def local_status(peer: Any) -> dict[str, Any]:
+    """The peer's own status, JSON-able (NaN and unknowns are ``None``).
+
+    Keys (stable; new ones may be added, none removed or renamed):
+        peer_id, run_id, role ("reliable"/"unreliable"), client_mode (bool), stage (-1 before one is
+        chosen), num_stages (None before the spec is known), state ("joining"/"syncing"/"training"/
+        "leaving"), software_version, step (optimizer steps of its stage replica), tokens_per_s,
+        samples_per_s, microbatches_per_s (recent window), loss (most recent, None if none yet),
+        bytes_sent, bytes_received (payload bytes of its pipeline and state traffic, None if not
+        counted), uptime_s, num_samples (samples it has contributed), num_microbatches, flops
+        (measured FLOP/s), time (unix seconds of this status), sync (state download progress:
+        ``{"done_bytes", "total_bytes", "started_at"}`` or None).
+    """
+    stage = getattr(peer, "stage", None)
+    spec = getattr(peer, "spec", None)
+    history: StatusHistory | None = getattr(peer, "history", None)
+    now_sample = sample_peer(peer)
+    rates = history.rates() if history is not None else {}
+    traffic = getattr(peer, "traffic", None)
+    started_at = getattr(peer, "started_at", None)
+    return {
+        "peer_id": peer.peer_id or None,
+        "run_id": peer.config.run_id,
+        "role": peer.role,
+        "client_mode": bool(peer.config.client_mode),
+        "stage": stage.index if stage is not None else -1,
+        "num_stages": spec.num_stages if spec is not None else None,
+        "state": peer.state,
+        "software_version": SOFTWARE_VERSION,
+        "step": stage.version if stage is not None else 0,
+        "tokens_per_s": round(rates.get("tokens_per_s", 0.0), 1),
+        "samples_per_s": round(rates.get("samples_per_s", 0.0), 3),
+        "microbatches_per_s": round(rates.get("microbatches_per_s", 0.0), 3),
+        "loss": _finite_or_none(now_sample.loss),
+        "bytes_sent": traffic.bytes_sent if traffic is not None else None,
+        "bytes_received": traffic.bytes_received if traffic is not None else None,
+        "uptime_s": round(time.monotonic() - started_at, 3) if started_at is not None else None,
+        "num_samples": now_sample.num_samples,
+        "num_microbatches": now_sample.num_microbatches,
+        "flops": float(getattr(peer, "flops", 0.0)),
+        "time": round(now_sample.t, 3),
+        "sync": dict(peer.sync_progress) if getattr(peer, "sync_progress", None) else None,
+    }
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
