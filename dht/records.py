@@ -25,6 +25,7 @@ ROLES = ("reliable", "unreliable")
 PEER_STATES = ("joining", "syncing", "training", "leaving")
 MAX_STAGES = 64
 MAX_ADDRS = 16
+SOFTWARE_VERSION_PATTERN = re.compile(r"^[0-9A-Za-z.+_-]{0,32}$")
 
 
 def spec_key(run_id: str) -> str:
@@ -176,6 +177,11 @@ class PeerRecord:
         maddrs: multiaddrs where it listens.
         params_digest: hash of its stage parameters after its latest averaging round ("" if none).
         averaged_at: scheduled DHT time of that round (0 if none).
+        software_version: the Murmuration version it runs ("" from peers older than this field).
+        bytes_sent: bytes of pipeline and state messages it has sent since it started.
+        bytes_received: likewise, received.
+
+    Fields added later have defaults, so records of peers that do not send them still parse.
     """
 
     peer_id: str
@@ -191,6 +197,9 @@ class PeerRecord:
     maddrs: tuple[str, ...] = ()
     params_digest: str = ""
     averaged_at: float = 0.0
+    software_version: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not 1 <= len(self.peer_id) <= 128:
@@ -207,7 +216,7 @@ class PeerRecord:
         _check_float("averaged_at", self.averaged_at, 0.0, 1e11)
         if not isinstance(self.loss, (int, float)) or isinstance(self.loss, bool) or math.isinf(self.loss):
             raise ValueError("loss must be a finite number or NaN (none yet)")
-        for name in ("num_samples", "version"):
+        for name in ("num_samples", "version", "bytes_sent", "bytes_received"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
                 raise ValueError(f"{name} must be a non-negative integer")
@@ -215,6 +224,8 @@ class PeerRecord:
             raise ValueError("maddrs must be at most 16 strings")
         if not isinstance(self.params_digest, str) or len(self.params_digest) > 128:
             raise ValueError("params_digest must be a short string")
+        if not isinstance(self.software_version, str) or not SOFTWARE_VERSION_PATTERN.fullmatch(self.software_version):
+            raise ValueError("software_version must be up to 32 letters, digits or '.+_-'")
 
     def to_wire(self) -> dict[str, Any]:
         wire = asdict(self)

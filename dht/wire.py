@@ -17,6 +17,7 @@ import asyncio
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -39,6 +40,19 @@ class ProtocolError(ValueError):
     """A message that does not follow the protocol: malformed, oversized or of the wrong kind."""
 
 
+@dataclass
+class Traffic:
+    """Bytes of our messages written and read (headers and tensors; not hivemind's DHT or averaging)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+# Process-wide: a peer process hosts one peer, so this is that peer's traffic (pipeline, state
+# transfer, notices). Several peers in one test process share it.
+TRAFFIC = Traffic()
+
+
 def encode_header(header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
     described = dict(header)
     described["tensors"] = [[DTYPE_NAMES[t.dtype], list(t.shape)] for t in tensors]
@@ -56,10 +70,12 @@ async def write_message(
     for t in tensors:
         if t.dtype not in DTYPE_NAMES:
             raise ProtocolError(f"dtype {t.dtype} cannot be sent")
-    writer.write(encode_header(header, tensors))
+    encoded = encode_header(header, tensors)
+    writer.write(encoded)
     for t in tensors:
         if t.numel():
             writer.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    TRAFFIC.bytes_sent += len(encoded) + sum(t.numel() * t.element_size() for t in tensors)
     await writer.drain()
 
 
@@ -77,10 +93,12 @@ async def read_message(
         if header_bytes > MAX_HEADER_BYTES:
             raise ProtocolError(f"header of {header_bytes} bytes exceeds {MAX_HEADER_BYTES}")
         header = decode_header(await reader.readexactly(header_bytes))
+        TRAFFIC.bytes_received += _LENGTH.size + header_bytes
         layouts = parse_tensor_layouts(header.pop("tensors", None), max_payload_bytes=max_payload_bytes)
         tensors = []
         for dtype, shape, nbytes in layouts:
             buffer = bytearray(await reader.readexactly(nbytes)) if nbytes else bytearray()
+            TRAFFIC.bytes_received += nbytes
             flat = torch.frombuffer(buffer, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
             tensors.append(flat.view(shape))
     return header, tensors

@@ -16,13 +16,14 @@ import torch
 
 from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import PeerRecord, RunSpec
+from dht.wire import TRAFFIC
 from dht.registry import declare_peer, dht_time
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state
 from peer.metrics import MetricsLog
 from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
-from peer.status import StatusHistory, sample_peer
+from peer.status import SOFTWARE_VERSION, StatusHistory, SyncProgress, sample_peer
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
@@ -65,6 +66,8 @@ class Peer:
         self._tasks: list[asyncio.Task] = []
         self.started_at = time.monotonic()  # uptime in peer.status
         self.history: StatusHistory | None = None  # recent counters, sampled once a second while training
+        self.traffic = TRAFFIC
+        self.sync_progress: SyncProgress | None = None
 
     def log_prefix(self) -> str:
         stage = f" stage {self.stage.index} step {self.stage.version}" if self.stage else ""
@@ -133,7 +136,12 @@ class Peer:
         if not holders:
             logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
             return
+        model = self.stage.model  # the state: its tensors plus AdamW's two moments per parameter
+        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 * sum(
+            p.numel() * p.element_size() for p in model.parameters())
+        self.sync_progress = SyncProgress(total_bytes=state_bytes, traffic=self.traffic)
         result = await pull_stage_state(self.p2p, self.stage, holders, config=self.config)
+        self.sync_progress.finish()
         self.metrics.write("state_download", version=result.version, seconds=result.report.seconds,
                            bytes_by_donor=result.report.bytes_by_donor, failed_donors=result.report.failed_donors,
                            donor=max(result.report.bytes_by_donor, key=result.report.bytes_by_donor.get))
@@ -242,6 +250,8 @@ class Peer:
             version=self.stage.version if self.stage else 0,
             loss=counters.last_loss if counters else math.nan, announced_at=self.announced_at,
             maddrs=self.maddrs, params_digest=self.averaged[1], averaged_at=self.averaged[0],
+            software_version=SOFTWARE_VERSION, bytes_sent=self.traffic.bytes_sent,
+            bytes_received=self.traffic.bytes_received,
         )
 
     async def _heartbeat_once(self, stage: int | None = None) -> None:

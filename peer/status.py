@@ -112,6 +112,38 @@ def _rates_between(first: StatusSample, last: StatusSample, seq_len: int) -> dic
     }
 
 
+class SyncProgress:
+    """How far the download of a stage's state got, estimated from the bytes received since it began.
+
+    The transfer itself reports only when done; the bytes the peer's wire reads meanwhile are almost
+    all shards, so they make a fair progress bar. ``done_bytes`` never passes ``total_bytes``.
+    """
+
+    def __init__(self, *, total_bytes: int, traffic: Any) -> None:
+        self.total_bytes = total_bytes
+        self.traffic = traffic
+        self.started_at = time.time()
+        self._received_at_start = traffic.bytes_received
+        self.finished = False
+
+    @property
+    def done_bytes(self) -> int:
+        if self.finished:
+            return self.total_bytes
+        return min(self.total_bytes, self.traffic.bytes_received - self._received_at_start)
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        """``{"done_bytes", "total_bytes", "started_at", "eta_s"}``; eta_s is None until bytes arrive."""
+        now = time.time() if now is None else now
+        done, elapsed = self.done_bytes, now - self.started_at
+        eta = (self.total_bytes - done) * elapsed / done if done > 0 and elapsed > 0 else None
+        return {"done_bytes": done, "total_bytes": self.total_bytes, "started_at": round(self.started_at, 3),
+                "eta_s": round(eta, 1) if eta is not None else None, "finished": self.finished}
+
+
 def sample_peer(peer: Any, *, now: float | None = None) -> StatusSample:
     """The peer's cumulative counters now (zeros before it holds a stage)."""
     counters = peer.stage.counters if getattr(peer, "stage", None) is not None else None
@@ -137,7 +169,8 @@ def local_status(peer: Any) -> dict[str, Any]:
         bytes_sent, bytes_received (payload bytes of its pipeline and state traffic, None if not
         counted), uptime_s, num_samples (samples it has contributed), num_microbatches, flops
         (measured FLOP/s), time (unix seconds of this status), sync (state download progress:
-        ``{"done_bytes", "total_bytes", "started_at"}`` or None).
+        ``{"done_bytes", "total_bytes", "started_at", "eta_s", "finished"}``, or None if this peer
+        downloaded nothing).
     """
     stage = getattr(peer, "stage", None)
     spec = getattr(peer, "spec", None)
@@ -167,7 +200,7 @@ def local_status(peer: Any) -> dict[str, Any]:
         "num_microbatches": now_sample.num_microbatches,
         "flops": float(getattr(peer, "flops", 0.0)),
         "time": round(now_sample.t, 3),
-        "sync": dict(peer.sync_progress) if getattr(peer, "sync_progress", None) else None,
+        "sync": peer.sync_progress.as_dict() if getattr(peer, "sync_progress", None) is not None else None,
     }
 
 

@@ -106,6 +106,19 @@ def test_peer_record_defaults_fill_missing_optional_fields():
     assert record.maddrs == () and record.version == 0 and math.isnan(record.loss)
 
 
+def test_peer_record_of_an_older_peer_without_status_fields_parses():
+    wire = make_record().to_wire()
+    for key in ("software_version", "bytes_sent", "bytes_received"):
+        del wire[key]
+    record = PeerRecord.from_wire(through_msgpack(wire))
+    assert (record.software_version, record.bytes_sent, record.bytes_received) == ("", 0, 0)
+
+
+def test_peer_record_status_fields_round_trip():
+    record = make_record(software_version="0.1.0+dev", bytes_sent=12_345, bytes_received=2**40)
+    assert PeerRecord.from_wire(through_msgpack(record.to_wire())) == record
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     num_layers=st.integers(1, 40),
@@ -287,6 +300,15 @@ BAD_RECORD_WIRES = {
     "maddr too long": record_wire(maddrs=["x" * 256]),
     "digest not str": record_wire(params_digest=5),
     "digest too long": record_wire(params_digest="a" * 129),
+    "software_version not str": record_wire(software_version=1),
+    "software_version too long": record_wire(software_version="1" * 33),
+    "software_version with a space": record_wire(software_version="1.0 beta"),
+    "software_version with a newline": record_wire(software_version="1.0\n"),
+    "software_version markup": record_wire(software_version="<script>"),
+    "negative bytes_sent": record_wire(bytes_sent=-1),
+    "float bytes_received": record_wire(bytes_received=1.5),
+    "bool bytes_sent": record_wire(bytes_sent=True),
+    "huge bytes_received": record_wire(bytes_received=2**62),
 }
 
 
