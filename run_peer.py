@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from peer.lifecycle import Peer  # heavy imports after argument parsing: --help stays fast
 
     peer = Peer(config)
-    configure_logging(config.log_level, peer.log_prefix)
+    configure_logging(config.resolved_log_level, peer.log_prefix)
     if config.num_threads:
         import torch
 

@@ -18,6 +18,11 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+def check_status_port(port: int) -> None:
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"--status-port must be 0 (off) or a TCP port up to 65535, got {port!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     """Volunteer peer: join a run through a bootstrap node and train one stage of its model."""
@@ -46,8 +51,18 @@ class PeerConfig:
     metrics_file: str | None = field(default=None, metadata=_help("append one JSON line per event (microbatch, averaging round, status) to this file"))
     status_period: float = field(default=5.0, metadata=_help("seconds between status lines in the log"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
+    status_port: int = field(default=0, metadata=_help("serve the swarm health page (/), /status.json and Prometheus /metrics on this TCP port (0: off)"))
+    status_host: str = field(default="127.0.0.1", metadata=_help("address the status port listens on; 0.0.0.0 to let other machines see it"))
+    terminal_view: str = field(default="auto", metadata=_help("redraw a live view of this peer and the swarm every --status-period seconds: on, off, or auto (on when stdout is a terminal)"))
+    quiet: bool = field(default=False, metadata=_help("print only warnings and errors (for services): no terminal view, log level WARNING"))
+    verbose: bool = field(default=False, metadata=_help("debug logging (log level DEBUG)"))
 
     def __post_init__(self) -> None:
+        check_status_port(self.status_port)
+        if self.terminal_view not in ("auto", "on", "off"):
+            raise ValueError(f"--terminal-view must be auto, on or off, got {self.terminal_view!r}")
+        if self.quiet and self.verbose:
+            raise ValueError("--quiet and --verbose contradict each other: give one")
         if not self.bootstrap:
             raise ValueError("give at least one --bootstrap multiaddr (printed by run_bootstrap.py)")
         check_run_id(self.run_id)
@@ -69,6 +84,11 @@ class PeerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("--log-level must be DEBUG, INFO, WARNING or ERROR")
+
+    @property
+    def resolved_log_level(self) -> str:
+        """--quiet and --verbose override --log-level."""
+        return "WARNING" if self.quiet else "DEBUG" if self.verbose else self.log_level.upper()
 
     @property
     def resolved_role(self) -> str:
@@ -101,8 +121,11 @@ class BootstrapConfig:
     data: tuple[str, ...] = field(default=(), metadata=_help("text files to train on (default: Python's built-in documentation)"))
     spec_refresh_period: float = field(default=60.0, metadata=_help("seconds between re-publications of the run spec"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
+    status_port: int = field(default=0, metadata=_help("serve the swarm health page (/), /status.json and Prometheus /metrics on this TCP port (0: off)"))
+    status_host: str = field(default="127.0.0.1", metadata=_help("address the status port listens on; 0.0.0.0 to let other machines see it"))
 
     def __post_init__(self) -> None:
+        check_status_port(self.status_port)
         check_run_id(self.run_id)
         if not (math.isfinite(self.spec_refresh_period) and self.spec_refresh_period > 0):
             raise ValueError("--spec-refresh-period must be a positive number")
