@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
 
-from peer.cli import add_dataclass_arguments, dataclass_from_args
+from peer.cli import config_parser, load_config
 from peer.config import BootstrapConfig
 from peer.entry import run_until_signalled
 from peer.logs import configure_logging
@@ -16,13 +15,14 @@ logger = logging.getLogger("run_bootstrap")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=BootstrapConfig.__doc__)
-    add_dataclass_arguments(parser, BootstrapConfig)
-    args = parser.parse_args(argv)
+    parser = config_parser(BootstrapConfig)
+    try:
+        config, _args = load_config(parser, BootstrapConfig, argv)
+    except ValueError as e:
+        parser.error(str(e))
     from peer.bootstrap import BootstrapNode, build_run_spec  # heavy imports after parsing: --help stays fast
 
     try:
-        config = dataclass_from_args(BootstrapConfig, args)
         build_run_spec(config)  # the model and data settings, checked before anything starts
     except ValueError as e:  # DataError is a ValueError too
         parser.error(str(e))

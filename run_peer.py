@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 
-from peer.cli import add_dataclass_arguments, dataclass_from_args
+from peer.cli import config_parser, load_config
 from peer.config import PeerConfig
 from peer.entry import run_until_signalled
 from peer.logs import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=PeerConfig.__doc__)
-    add_dataclass_arguments(parser, PeerConfig)
-    args = parser.parse_args(argv)
+    parser = config_parser(PeerConfig)
     try:
-        config = dataclass_from_args(PeerConfig, args)
+        config, args = load_config(parser, PeerConfig, argv)
     except ValueError as e:
         parser.error(str(e))
     from peer.lifecycle import Peer  # heavy imports after argument parsing: --help stays fast
