@@ -165,8 +165,8 @@ def local_status(peer: Any) -> dict[str, Any]:
         peer_id, run_id, role ("reliable"/"unreliable"), client_mode (bool), stage (-1 before one is
         chosen), num_stages (None before the spec is known), state ("joining"/"syncing"/"training"/
         "leaving"), software_version, step (optimizer steps of its stage replica), tokens_per_s,
-        samples_per_s, microbatches_per_s (recent window), loss (most recent, None if none yet),
-        bytes_sent, bytes_received (payload bytes of its pipeline and state traffic, None if not
+        samples_per_s, microbatches_per_s, bytes_sent_per_s, bytes_received_per_s (recent window),
+        loss (most recent, None if none yet), bytes_sent, bytes_received (payload bytes of its pipeline and state traffic, None if not
         counted), uptime_s, num_samples (samples it has contributed), num_microbatches, flops
         (measured FLOP/s), time (unix seconds of this status), sync (state download progress:
         ``{"done_bytes", "total_bytes", "started_at", "eta_s", "finished"}``, or None if this peer
@@ -192,6 +192,8 @@ def local_status(peer: Any) -> dict[str, Any]:
         "tokens_per_s": round(rates.get("tokens_per_s", 0.0), 1),
         "samples_per_s": round(rates.get("samples_per_s", 0.0), 3),
         "microbatches_per_s": round(rates.get("microbatches_per_s", 0.0), 3),
+        "bytes_sent_per_s": round(rates.get("bytes_sent_per_s", 0.0), 1),
+        "bytes_received_per_s": round(rates.get("bytes_received_per_s", 0.0), 1),
         "loss": _finite_or_none(now_sample.loss),
         "bytes_sent": traffic.bytes_sent if traffic is not None else None,
         "bytes_received": traffic.bytes_received if traffic is not None else None,
