@@ -23,7 +23,9 @@ from peer.errors import UserError
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state
 from peer.metrics import MetricsLog
 from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
-from peer.status import SOFTWARE_VERSION, StatusHistory, SyncProgress, sample_peer
+from peer.status import SOFTWARE_VERSION, StatusHistory, SyncProgress, local_status, sample_peer
+from peer.status_service import open_peer_status
+from peer.status_server import StatusProtocol
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
@@ -54,6 +56,7 @@ class Peer:
         self.server: StageServer | None = None
         self.replication: ReplicationServer | None = None
         self.notices: MembershipNotices | None = None
+        self.status_protocol: StatusProtocol | None = None  # /murmuration/status/1.0.0 for any libp2p client
         self.averager: StageAverager | None = None
         self.trainer: Trainer | None = None
         self.peer_id = ""
@@ -74,11 +77,14 @@ class Peer:
         return f"[peer {self.peer_id[-6:] or '......'}{stage}] "
 
     async def run(self, stop: asyncio.Event) -> None:
+        status = open_peer_status(self)  # health page, /metrics, terminal view: from joining to leaving
+        await status.start()
         try:
             await self._join()
             await self._train(stop)
         finally:
             await self._leave()
+            await status.shutdown()
 
     async def _join(self) -> None:
         config = self.config
@@ -119,6 +125,8 @@ class Peer:
         logger.info(f"chose stage {stage_index} of {self.spec.num_stages} (layers {list(self.spec.stage_layers[stage_index])})")
         await self._heartbeat_once()
         self.p2p = await self.dht.replicate_p2p()
+        self.status_protocol = StatusProtocol(self.p2p, lambda: local_status(self))
+        await self.status_protocol.start()
         await self._obtain_state()
 
     def _check_memory(self, stage_index: int, device: torch.device) -> None:
@@ -226,7 +234,7 @@ class Peer:
             await asyncio.wait(self._tasks, timeout=LEAVE_TIMEOUT)  # the trainer finishes its in-flight work
             for task in self._tasks:
                 task.cancel()
-        for service in (self.replication, self.notices):
+        for service in (self.replication, self.notices, self.status_protocol):
             if service is not None:
                 await service.shutdown()
         if self.server is not None:

@@ -210,3 +210,11 @@ def _finite_or_none(value: float | None) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return float(value)
+
+
+if __name__ == "__main__":  # python -m peer.status <multiaddr>: the py-libp2p client (peer/status_client.py)
+    import sys
+
+    from peer.status_client import main
+
+    sys.exit(main())

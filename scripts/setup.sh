@@ -6,7 +6,13 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
     "${PYTHON:-python3}" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, hivemind, msgpack, uvloop, pytest, pytest_timeout, hypothesis" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, hivemind, msgpack, uvloop, matplotlib, pytest, pytest_timeout, hypothesis" 2>/dev/null; then
     .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
     .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+fi
+# py-libp2p (python -m peer.status) in an environment of its own: see the status-client extra
+if ! .venv-libp2p/bin/python -c "import libp2p, msgpack" 2>/dev/null; then
+    "${PYTHON:-python3}" -m venv .venv-libp2p
+    .venv-libp2p/bin/pip install --quiet --disable-pip-version-check $(.venv/bin/python -c \
+        'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["status-client"]))')
 fi
