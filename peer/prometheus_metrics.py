@@ -1,0 +1,148 @@
+"""Prometheus metrics of a peer (or a bootstrap) on ``/metrics``, through ``prometheus_client``.
+
+The collectors read the live objects at scrape time, so no number is kept twice and nothing can
+drift: a scrape is :func:`peer.status.local_status` plus the counters of the stage server, router,
+trainer and averager, plus the swarm's stage map from the DHT records. Each peer gets its own
+``CollectorRegistry``, never the process-global one, so several peers in one process (tests) do not
+clash.
+
+Names follow Prometheus conventions: ``murmuration_`` prefix, ``_total`` counters, base units
+(seconds, bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric, StateSetMetricFamily
+from prometheus_client.registry import Collector
+
+from dht.records import PEER_STATES
+from peer.status import local_status
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=math.nan if value is None else float(value))
+
+
+def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value or 0))
+
+
+class PeerCollector(Collector):
+    """The peer's own figures: throughput, queues, traffic, averaging, failures, bans."""
+
+    def __init__(self, peer: Any) -> None:
+        self.peer = peer
+
+    def collect(self) -> Iterator[Metric]:
+        status = local_status(self.peer)
+        yield InfoMetricFamily("murmuration_peer", "who this peer is", value={
+            "peer_id": status["peer_id"] or "", "run_id": status["run_id"], "role": status["role"],
+            "software_version": status["software_version"]})
+        yield StateSetMetricFamily("murmuration_peer_state", "the peer's lifecycle state",
+                                   value={state: state == status["state"] for state in PEER_STATES})
+        yield _gauge("murmuration_stage", "stage this peer serves (-1 while joining)", status["stage"])
+        yield _gauge("murmuration_tokens_per_second", "tokens/s this peer processed, recent window", status["tokens_per_s"])
+        yield _gauge("murmuration_samples_per_second", "samples/s, recent window", status["samples_per_s"])
+        yield _gauge("murmuration_microbatches_per_second", "microbatches/s, recent window", status["microbatches_per_s"])
+        yield _gauge("murmuration_loss", "most recent loss, nats/token (NaN before any)", status["loss"])
+        yield _gauge("murmuration_uptime_seconds", "seconds since the peer started", status["uptime_s"])
+        yield _gauge("murmuration_flops", "measured compute, FLOP/s", status["flops"])
+        yield _counter("murmuration_optimizer_steps", "optimizer steps of this stage replica", status["step"])
+        yield _counter("murmuration_samples", "samples this peer processed", status["num_samples"])
+        yield _counter("murmuration_microbatches", "microbatches this peer processed", status["num_microbatches"])
+        yield _counter("murmuration_sent_bytes", "bytes of pipeline and state messages sent", status["bytes_sent"])
+        yield _counter("murmuration_received_bytes", "bytes of pipeline and state messages received", status["bytes_received"])
+        yield from self._queues()
+        yield from self._averaging()
+        yield from self._failures()
+        # no peer is banned yet (nothing bans): the counter exists so dashboards and alerts can rely on it
+        yield _counter("murmuration_bans", "peers this peer has banned for misbehaviour", 0)
+
+    def _queues(self) -> Iterator[Metric]:
+        stage, server, router = (getattr(self.peer, name, None) for name in ("stage", "server", "router"))
+        router = router or getattr(server, "router", None)
+        yield _gauge("murmuration_held_graphs", "microbatches whose forward ran here and await their backward",
+                     stage.num_held_graphs if stage is not None else 0)
+        yield _gauge("murmuration_requests_in_progress", "forward requests this peer is serving now",
+                     len(getattr(server, "_active", ())) if server is not None else 0)
+        yield _gauge("murmuration_in_flight_to_next_stage", "microbatches sent to the next stage, not yet answered",
+                     sum(router.in_flight.values()) if router is not None else 0)
+
+    def _averaging(self) -> Iterator[Metric]:
+        averager = getattr(self.peer, "averager", None)
+        yield _counter("murmuration_averaging_rounds", "in-stage averaging rounds completed",
+                       averager.num_rounds if averager is not None else 0)
+        yield _counter("murmuration_averaging_failures", "in-stage averaging rounds that failed",
+                       averager.num_failed_rounds if averager is not None else 0)
+
+    def _failures(self) -> Iterator[Metric]:
+        server, trainer = getattr(self.peer, "server", None), getattr(self.peer, "trainer", None)
+        router = getattr(server, "router", None)
+        family = CounterMetricFamily("murmuration_failures", "failures by kind: route (a send to the next stage "
+                                     "failed), unrouted (no peer took a microbatch), refused (bad requests received)",
+                                     labels=["kind"])
+        family.add_metric(["route"], float(router.num_failures if router is not None else 0))
+        family.add_metric(["unrouted"], float(trainer.num_unrouted if trainer is not None else 0))
+        refused = sum(getattr(service, "num_refused", 0) for service in
+                      (server, getattr(self.peer, "notices", None), getattr(self.peer, "replication", None))
+                      if service is not None)
+        family.add_metric(["refused"], float(refused))
+        yield family
+
+
+class SwarmCollector(Collector):
+    """The swarm as seen from here: peers and throughput per stage, the bottleneck."""
+
+    def __init__(self, swarm_status: Callable[[], dict[str, Any]]) -> None:
+        self.swarm_status = swarm_status
+
+    def collect(self) -> Iterator[Metric]:
+        doc = self.swarm_status()
+        peers = GaugeMetricFamily("murmuration_swarm_stage_peers", "peers per stage", labels=["stage"])
+        measured = GaugeMetricFamily("murmuration_swarm_stage_tokens_per_second",
+                                     "measured tokens/s of a stage's training peers", labels=["stage"])
+        capacity = GaugeMetricFamily("murmuration_swarm_stage_capacity_tokens_per_second",
+                                     "a stage's capacity: members' FLOP/s over its FLOPs per token", labels=["stage"])
+        for stage in doc["stages"]:
+            label = [str(stage["stage"])]
+            peers.add_metric(label, stage["num_peers"])
+            measured.add_metric(label, stage["tokens_per_s"])
+            capacity.add_metric(label, stage["capacity_tokens_per_s"])
+        yield from (peers, measured, capacity)
+        yield _gauge("murmuration_swarm_bottleneck_stage", "stage of least capacity", doc["bottleneck"])
+        yield _gauge("murmuration_swarm_peers", "live peer records of the run", doc["totals"]["num_peers"])
+        yield _gauge("murmuration_swarm_tokens_per_second", "the swarm's training tokens/s (last stage)",
+                     doc["totals"]["tokens_per_s"])
+        yield _gauge("murmuration_swarm_loss", "mean recent loss of the last stage", doc["totals"]["loss"])
+
+
+class HTTPCollector(Collector):
+    """The status server's own requests, bad ones included."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        yield _counter("murmuration_status_http_requests", "requests to the status port", self.server.num_requests)
+        yield _counter("murmuration_status_http_bad_requests", "malformed or refused requests to the status port",
+                       self.server.num_bad_requests)
+
+
+def make_registry(*collectors: Collector) -> CollectorRegistry:
+    """A registry of its own (not prometheus_client's global one) holding ``collectors``."""
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in collectors:
+        registry.register(collector)
+    return registry
+
+
+def render_metrics(registry: CollectorRegistry) -> bytes:
+    """The text exposition format of everything in ``registry``."""
+    return generate_latest(registry)
