@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     from peer.bootstrap import BootstrapNode, build_run_spec  # heavy imports after parsing: --help stays fast
+    from peer.status_service import open_bootstrap_status
 
     try:
         build_run_spec(config)  # the model and data settings, checked before anything starts
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             print("Bootstrap node is up. Peers join with:", flush=True)
             for maddr in maddrs:
                 print(f"  python run_peer.py --bootstrap {maddr} --run-id {config.run_id}", flush=True)
-            await node.serve(stop)
+            async with open_bootstrap_status(node):  # --status-port: the swarm's health page and metrics
+                await node.serve(stop)
 
     return run_until_signalled(serve)
 

@@ -29,6 +29,7 @@ from peer.status import local_status
 from peer.swarm_status import SwarmHistory, swarm_status
 from peer.terminal_view import TerminalView
 from swarm.model import stage_flops_per_sample
+from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 SAMPLE_PERIOD = 2.0
@@ -44,6 +45,7 @@ class StatusSource:
         records: the live peer records (the caller's swarm view).
         local: this peer's :func:`peer.status.local_status`, or None on a bootstrap.
         peer: the peer object for its Prometheus collector, or None on a bootstrap.
+        owned_view: a swarm view the service starts and shuts down with itself (the bootstrap's).
     """
 
     run_id: str
@@ -51,6 +53,7 @@ class StatusSource:
     records: Callable[[], list[PeerRecord]]
     local: Callable[[], dict[str, Any]] | None = None
     peer: Any = None
+    owned_view: SwarmView | None = None
 
 
 def peer_source(peer: Any) -> StatusSource:
@@ -91,6 +94,8 @@ class StatusService:
             local=self.source.local() if self.source.local is not None else None, now=time.time())
 
     async def start(self) -> None:
+        if not self.port and self.terminal is None:
+            return  # nothing to show: no server, no history to keep
         if self.port:
             self.server = StatusHTTPServer(self._routes(), host=self.host, port=self.port)
             try:
@@ -100,6 +105,8 @@ class StatusService:
                 raise UserError(f"Cannot serve the status page on {self.host}:{self.port}: {e.strerror or e}; "
                                 f"choose another --status-port (or 0 for none).") from e
             logger.info(f"status page at http://{self.host}:{self.server.port}/ (also /status.json, /metrics)")
+        if self.source.owned_view is not None:
+            self.source.owned_view.start()
         self._tasks.append(asyncio.create_task(self._sample_loop(), name="status-history"))
         if self.terminal is not None:
             self._tasks.append(asyncio.create_task(self._view_loop(), name="terminal-view"))
@@ -112,6 +119,8 @@ class StatusService:
         if self.server is not None:
             await self.server.shutdown()
             self.server = None
+        if self.source.owned_view is not None:
+            await self.source.owned_view.shutdown()
 
     async def __aenter__(self) -> StatusService:
         await self.start()
@@ -198,6 +207,16 @@ def open_peer_status(peer: Any) -> StatusService:
         quiet_console_logs()  # the view redraws the screen; INFO lines would scroll it away
     return StatusService(peer_source(peer), host=config.status_host, port=config.status_port,
                          terminal=terminal, view_period=config.status_period)
+
+
+def open_bootstrap_status(node: Any) -> StatusService:
+    """The bootstrap's status service: the health page and metrics of the whole swarm on
+    ``--status-port``, from a swarm view of its own (nothing at all with port 0)."""
+    config = node.config
+    view = SwarmView(node.dht, config.run_id) if config.status_port else None
+    source = StatusSource(run_id=config.run_id, spec=lambda: node.spec,
+                          records=lambda: list(view.records) if view is not None else [], owned_view=view)
+    return StatusService(source, host=config.status_host, port=config.status_port)
 
 
 def quiet_console_logs() -> None:
