@@ -72,6 +72,17 @@ def encode_response(response: Response, *, head_only: bool = False) -> bytes:
     return head.encode("ascii") + (b"" if head_only else response.body)
 
 
+async def _close_gracefully(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Half-close, then read what the client still sends until it hangs up (bounded by the caller's
+    deadline): closing a socket with unread input resets the connection, and the client would lose
+    the answer (a "lingering close", as web servers do)."""
+    if writer.can_write_eof():
+        writer.write_eof()
+    for _ in range(64):
+        if not await reader.read(MAX_HEAD_BYTES):
+            return
+
+
 class StatusHTTPServer:
     """Serves ``routes`` (path → coroutine returning a :class:`Response`) on ``host:port``.
 
@@ -118,18 +129,30 @@ class StatusHTTPServer:
         task = asyncio.current_task()
         self._connections.add(task)
         try:
-            if self._slots.locked():  # too many open connections: refuse at once rather than queue
-                writer.write(encode_response(Response(b"busy\n", status=503)))
-                return
-            async with self._slots, asyncio.timeout(self.request_timeout):
-                await self._serve_one(reader, writer)
+            async with asyncio.timeout(self.request_timeout):
+                if self._slots.locked():  # too many open connections: refuse rather than queue
+                    await self._refuse_busy(reader, writer)
+                else:
+                    async with self._slots:
+                        await self._serve_one(reader, writer)
+                await _close_gracefully(reader, writer)
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
             logger.debug(f"status connection dropped: {e!r}")
+        except asyncio.CancelledError:
+            pass  # shutdown: this task is the top of its connection, nobody awaits it
         except Exception:  # a bug of ours: log it, keep the server (and the peer) running
             logger.exception("status server failed on a connection")
         finally:
             self._connections.discard(task)
             writer.close()
+
+    async def _refuse_busy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError):
+            pass
+        writer.write(encode_response(Response(b"busy: too many open connections\n", status=503)))
+        await writer.drain()
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         method = ""
