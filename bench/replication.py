@@ -13,10 +13,13 @@ pull is checked bit-identical (torch.equal) before its time counts. Methods, one
 * lpt-static: the same without that re-planning (the plan from the probes alone);
 * even:     the same transport, shards split evenly (the planner sees four identical links), static;
 * single:   ``pull_state`` from the fastest donor only;
-* hivemind: ``DecentralizedAverager.load_state_from_peers`` (one donor: the one declaring the highest
-            priority, here the fastest — hivemind at its best).
+* hivemind: ``DecentralizedAverager.load_state_from_peers``: one donor, the one declaring the
+            highest priority, ties broken at random. Peers declare equal priorities by default, so
+            a hivemind joiner gets a random donor: it is timed once from each donor (made the top
+            priority in turn), and "hivemind" is the mean; "hivemind-fastest" is its best case.
 
-Before the methods the joiner asks each donor for one manifest at the largest shard size, so the
+Each line also carries the joiner's CPU seconds (its process and its p2p daemon) during the pull.
+Before the methods the joiner asks each donor for one manifest at the piece size, so the
 donor's one-off snapshot copy and first hash pass (paid once per version, by the first joiner only)
 are not counted. Prints one JSON line per
 method: ``{"bench": "replication", "method", "state_bytes", "seconds", "lower_bound_seconds",
@@ -78,7 +81,7 @@ def run_donor(args: argparse.Namespace) -> None:
     state = make_state(args.state_bytes)
     averager = DecentralizedAverager([t.clone() for t in state.values()], dht, start=True, prefix=PREFIX,
                                      target_group_size=2, allow_state_sharing=True)
-    averager.state_sharing_priority = float(args.rate_mbit)
+    averager.state_sharing_priority = 1.0
 
     async def serve() -> None:
         async def snapshot():
@@ -90,7 +93,10 @@ def run_donor(args: argparse.Namespace) -> None:
                 json.dumps({"peer_id": dht.peer_id.to_base58(), "rate_mbit": args.rate_mbit}))
             deadline = time.monotonic() + 10 * METHOD_TIMEOUT
             while not (args.workdir / "stop").exists() and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.1)
+                top = args.workdir / "hivemind_top"  # which donor hivemind's joiner should pick now
+                if top.exists():
+                    averager.state_sharing_priority = 2.0 if top.read_text() == str(args.index) else 1.0
 
     try:
         asyncio.run(serve())
@@ -118,12 +124,21 @@ def run_joiner(args: argparse.Namespace) -> None:
                                      prefix=PREFIX, target_group_size=2, allow_state_sharing=False)
     try:
         results = asyncio.run(measure_ours(dht, donors, expected, args.workdir))
-        results["hivemind"] = measure_hivemind(dht, averager, expected, num_donors=len(donors))
-        for method, seconds in results.items():
+        by_donor = {}
+        for donor in sorted(donors, key=lambda d: d["rate_mbit"]):
+            by_donor[donor["rate_mbit"]] = measure_hivemind(dht, averager, expected, donor, donors, args.workdir)
+        # hivemind's joiner takes the donor of highest declared priority, ties broken at random;
+        # peers declare equal priorities by default, so its expected time is the mean over donors.
+        results["hivemind"] = (sum(s for s, _ in by_donor.values()) / len(by_donor),
+                               sum(c for _, c in by_donor.values()) / len(by_donor))
+        results["hivemind-fastest"] = by_donor[max(by_donor)]
+        print(json.dumps({"hivemind_seconds_by_donor_mbit": {r: round(s, 3) for r, (s, _) in by_donor.items()}}),
+              file=sys.stderr, flush=True)
+        for method, (seconds, cpu) in results.items():
             print(json.dumps({"bench": "replication", "method": method, "state_bytes": state_bytes,
                               "seconds": round(seconds, 3), "lower_bound_seconds": round(lower_bound, 3),
                               "ratio_to_lower_bound": round(seconds / lower_bound, 3),
-                              "rates_mbit": args.rates}), flush=True)
+                              "joiner_cpu_seconds": round(cpu, 3), "rates_mbit": args.rates}), flush=True)
     finally:
         averager.shutdown()
         dht.shutdown()
@@ -138,11 +153,11 @@ async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -
     config = transfer.TransferConfig(shard_timeout_floor=30.0)
     peer_ids = [d["peer_id"] for d in donors]
     for peer_id in peer_ids:  # warm-up: each donor's snapshot copy (see the module docstring)
-        await call_peer(p2p, peer_id, manifest_handler(RUN_ID), {"stage": STAGE, "shard_bytes": config.search.max_shard_bytes},
+        await call_peer(p2p, peer_id, manifest_handler(RUN_ID), {"stage": STAGE, "shard_bytes": config.piece_bytes},
                         timeout=METHOD_TIMEOUT, max_payload_bytes=0)
     fastest = max(donors, key=lambda d: d["rate_mbit"])["peer_id"]
     results = {}
-    static = dataclasses.replace(config, rebalance=False)
+    static = dataclasses.replace(config, rebalance=False, endgame=False)
     for method, chosen, method_config in (("lpt", peer_ids, config), ("lpt-static", peer_ids, static),
                                           ("even", peer_ids, static),
                                           ("single", [fastest], dataclasses.replace(config, min_agreeing_donors=1))):
@@ -150,19 +165,23 @@ async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -
         if method == "even":
             transfer.probe_donors = _equal_links(real_probe)
         try:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), joiner_cpu_seconds()
             async with asyncio.timeout(METHOD_TIMEOUT):
                 result = await transfer.pull_state(p2p, chosen, run_id=RUN_ID, stage=STAGE,
                                                    store_dir=Path(tempfile.mkdtemp(dir=workdir)), config=method_config)
-            results[method] = time.perf_counter() - started
+            results[method] = (time.perf_counter() - started, joiner_cpu_seconds() - cpu)
         finally:
             transfer.probe_donors = real_probe
         _check(result.state, expected)
         report = result.report
         print(json.dumps({"method": method, "shard_bytes": report.shard_bytes, "num_shards": report.num_shards,
                           "estimated_seconds": round(report.estimated_seconds, 3),
+                          "requests": report.num_shard_requests, "replans": report.num_replans,
+                          "duplicated": report.num_duplicated,
                           "phase_seconds": {k: round(v, 3) for k, v in report.phase_seconds.items()},
                           "bytes_by_donor": {p[-6:]: n for p, n in report.bytes_by_donor.items()},
+                          "probed_mb_s": {p[-6:]: round(1e-6 / b, 1) for p, (_, b) in report.links.items()},
+                          "probed_delay_ms": {p[-6:]: round(d * 1e3, 2) for p, (d, _) in report.links.items()},
                           "failed": report.failed_donors}), file=sys.stderr, flush=True)
     return results
 
@@ -180,20 +199,51 @@ def _equal_links(real_probe):
     return probe
 
 
-def measure_hivemind(dht, averager, expected: dict, *, num_donors: int) -> float:
+def joiner_cpu_seconds() -> float:
+    """CPU seconds of this process and its live descendants (the DHT process, the p2p daemon), from /proc."""
+    ticks, parents = os.sysconf("SC_CLK_TCK"), {}
+    usage = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        usage[int(entry.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    mine, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in mine:
+                mine.add(pid)
+                frontier.append(pid)
+    return sum(usage.get(pid, 0.0) for pid in mine)
+
+
+def measure_hivemind(dht, averager, expected: dict, donor: dict, donors: list[dict], workdir: Path) -> tuple[float, float]:
+    """``load_state_from_peers`` once ``donor`` declares the highest priority (seconds, joiner CPU)."""
+    (workdir / "hivemind_top").write_text(str(donors.index(donor)))
     deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:  # every donor's state-sharing declaration is visible
+    while time.monotonic() < deadline:  # every declaration is visible, the chosen donor on top
         found = dht.get(f"{PREFIX}.all_averagers", latest=True)
-        if found is not None and len(found.value) >= num_donors:
-            break
-        time.sleep(0.2)
-    started = time.perf_counter()
+        if found is not None and len(found.value) >= len(donors):
+            from hivemind.p2p import PeerID
+
+            priorities = {PeerID(key).to_base58(): item.value for key, item in found.value.items()}
+            if priorities.get(donor["peer_id"]) == 2.0 and sorted(priorities.values()).count(2.0) == 1:
+                break
+        time.sleep(0.1)
+    else:
+        raise TimeoutError("the donors' priorities did not show in the DHT")
+    started, cpu = time.perf_counter(), joiner_cpu_seconds()
     loaded = averager.load_state_from_peers(timeout=METHOD_TIMEOUT)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, joiner_cpu_seconds() - cpu
     if loaded is None:
         raise RuntimeError("load_state_from_peers found no donor")
     _check(dict(zip(expected, loaded[1])), expected)
-    return seconds
+    return seconds, cpu
 
 
 def _check(state: dict, expected: dict) -> None:

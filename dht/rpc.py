@@ -46,6 +46,7 @@ Process = Callable[[dict[str, Any], list[torch.Tensor]], Awaitable[tuple[dict[st
 async def serve_request(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Process, *,
     max_payload_bytes: int, timeout: float, what: str, on_outcome: Callable[[str], None] = lambda outcome: None,
+    send_lock: asyncio.Lock | None = None,
 ) -> str:
     """Serve one request on a handler's stream: read it, ``process`` it, answer, all under ``timeout``.
 
@@ -53,6 +54,9 @@ async def serve_request(
     as a warning; :class:`Declined` is answered with its reason; a stalled or vanished caller is
     abandoned; any other exception is a bug of ours, logged with its traceback and answered as an
     internal error. The handler keeps serving others in every case.
+
+    ``send_lock``, when given, is held while the answer is written (not while waiting for the
+    caller's hang-up): answers that share it leave one after another, not interleaved.
 
     Returns:
         "ok", "refused", "declined", "abandoned" or "error", also passed to ``on_outcome`` before the
@@ -80,13 +84,13 @@ async def serve_request(
         logger.exception(f"internal error while serving a {what} request")
         reply, outcome = {"ok": False, "error": "internal error"}, "error"
     on_outcome(outcome)
-    await send_reply(reader, writer, reply, tensors, timeout=timeout)
+    await send_reply(reader, writer, reply, tensors, timeout=timeout, send_lock=send_lock)
     return outcome
 
 
 async def send_reply(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: dict[str, Any],
-    tensors: Sequence[torch.Tensor] = (), *, timeout: float,
+    tensors: Sequence[torch.Tensor] = (), *, timeout: float, send_lock: asyncio.Lock | None = None,
 ) -> None:
     """A handler's answer: write it, then hang up only after the caller did.
 
@@ -95,7 +99,11 @@ async def send_reply(
     """
     try:
         async with asyncio.timeout(timeout):
-            await write_message(writer, reply, tensors)
+            if send_lock is None:
+                await write_message(writer, reply, tensors)
+            else:
+                async with send_lock:
+                    await write_message(writer, reply, tensors)
             await reader.read(1)  # returns at the caller's hang-up
     except (ConnectionError, OSError, asyncio.TimeoutError) as e:
         logger.debug(f"could not send a reply: {e!r}")

@@ -28,12 +28,14 @@ from replication.assignment import count_shards
 
 __all__ = [
     "ALLOWED_DTYPES", "HASH_NAME", "Manifest", "ManifestError", "ManifestLimits", "TensorEntry",
-    "build_manifest", "hash_shard", "is_shard_valid", "read_shard", "restore_state",
+    "MAX_PIECES", "build_manifest", "hash_shard", "is_shard_valid", "piece_size_for", "read_shard",
+    "restore_state",
 ]
 
 WIRE_FORMAT = 1
 HASH_NAME = "blake2b-256"
 HASH_BYTES = 32
+MAX_PIECES = 1024  # digests per manifest at the chosen piece size: about 36 KB of msgpack
 
 # dtype name -> (torch dtype, numpy dtype of the same bytes). numpy has no bfloat16, so its bits
 # travel through int16; nothing here ever does arithmetic on them.
@@ -239,6 +241,18 @@ def _parse_entry(row: object, limits: ManifestLimits) -> TensorEntry:
     return TensorEntry(name, dtype, tuple(shape), offset, size)
 
 
+def piece_size_for(total_bytes: int, min_piece_bytes: int, *, max_pieces: int = MAX_PIECES) -> int:
+    """The piece size p a state of ``total_bytes`` is hashed at: ``min_piece_bytes``, doubled until
+    the state has at most ``max_pieces`` pieces (a manifest stays well under one message).
+
+    Deterministic, so every donor of the same state describes it with the same manifest."""
+    _require_int(total_bytes, "total_bytes")
+    piece = _require_int(min_piece_bytes, "min_piece_bytes", low=1)
+    while -(-total_bytes // piece) > max_pieces:
+        piece *= 2
+    return piece
+
+
 def hash_shard(data: bytes | bytearray | memoryview) -> bytes:
     """Returns the BLAKE2b-256 digest of one shard."""
     return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
@@ -322,7 +336,7 @@ def is_shard_valid(manifest: Manifest, index: int, shard: bytes | bytearray | me
 
 
 def restore_state(
-    manifest: Manifest, data: bytes | bytearray | memoryview, *, verify: bool = True
+    manifest: Manifest, data: bytes | bytearray | memoryview, *, verify: bool = True, share: bool = False
 ) -> dict[str, torch.Tensor]:
     """Rebuilds the state dict (CPU tensors, bit-identical) from a complete state buffer.
 
@@ -330,6 +344,9 @@ def restore_state(
         manifest: describes ``data``.
         data: the full buffer (e.g. from ``ShardStore.assemble``).
         verify: re-check every shard digest first; skip only if the caller just did.
+        share: let the tensors use ``data``'s memory instead of a copy (``data`` must be a
+            writable buffer the caller hands over; tensors not aligned to their item size are
+            still copied).
 
     Raises:
         ManifestError: wrong length, a digest mismatch, or a bool tensor with bytes not 0/1.
@@ -342,13 +359,16 @@ def restore_state(
         for index in range(manifest.num_shards):
             if not is_shard_valid(manifest, index, view[slice(*manifest.shard_range(index))]):
                 raise ManifestError(f"shard {index} does not match its digest")
-    return {entry.name: _restore_tensor(entry, view) for entry in manifest.tensors}
+    share = share and not view.readonly
+    return {entry.name: _restore_tensor(entry, view, share=share) for entry in manifest.tensors}
 
 
-def _restore_tensor(entry: TensorEntry, view: memoryview) -> torch.Tensor:
+def _restore_tensor(entry: TensorEntry, view: memoryview, *, share: bool) -> torch.Tensor:
     torch_dtype, numpy_dtype = _DTYPES[entry.dtype]
     raw = view[entry.offset_bytes : entry.offset_bytes + entry.size_bytes]
-    array = np.frombuffer(raw, dtype=numpy_dtype).reshape(entry.shape).copy()
+    array = np.frombuffer(raw, dtype=numpy_dtype).reshape(entry.shape)
+    if not (share and array.flags.aligned and array.flags.writeable):
+        array = array.copy()
     if entry.dtype == "bool" and np.any(array.view(np.uint8) > 1):
         raise ManifestError(f"tensor {entry.name!r}: bool bytes other than 0 and 1")
     tensor = torch.from_numpy(array)

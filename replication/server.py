@@ -4,11 +4,15 @@ Seed 003 §III: a joiner pulls its stage's state w from several neighbours at on
 the shards the joiner's plan (Alg. 1 + Alg. 2) assigns to it. A donor answers three RPCs, each a
 binary-stream handler namespaced by run (``<run_id>.manifest``, ``.shard``, ``.probe``):
 
-* ``rpc_manifest`` {"stage", "shard_bytes", "version"?} -> {"ok", "manifest": Manifest.to_wire()}.
+* ``rpc_manifest`` {"stage", "shard_bytes", "version"?} -> {"ok", "manifest": Manifest.to_wire()},
+  hashed at the piece size ``piece_size_for(state bytes, shard_bytes)`` (``shard_bytes`` doubled
+  until the manifest has at most ``MAX_PIECES`` digests), the same on every donor.
   Without "version" it snapshots the state now (``snapshot_fn``); with it, it re-describes a
   version it still holds at another shard size, so a joiner can pin the version it verified.
-* ``rpc_shard`` {"stage", "version", "shard_bytes", "index"} -> {"ok", "index", "nbytes"} + the
-  shard's bytes (``pack_bytes``).
+* ``rpc_shard`` {"stage", "version", "shard_bytes", "index", "count"?} -> {"ok", "index", "nbytes"} +
+  the bytes of shards ``index`` .. ``index + count - 1`` (``count`` defaults to 1), one contiguous
+  byte range. The shards of one caller leave one after another (a lock per caller), so the joiner
+  can time each one and knows its donor's rate.
 * ``rpc_probe`` {"nbytes": n <= 4 MiB} -> n zero bytes: the joiner measures d_u (t^prop, a tiny
   probe) and b_u (t^trans, the slope to a 1-4 MiB probe) per neighbour.
 
@@ -36,7 +40,7 @@ from hivemind.p2p import P2P
 from dht.rpc import serve_request
 from dht.wire import ProtocolError
 from replication.assignment import count_shards
-from replication.manifest import Manifest, build_manifest, hash_shard
+from replication.manifest import Manifest, build_manifest, hash_shard, piece_size_for
 
 __all__ = [
     "MAX_PROBE_BYTES", "MAX_REQUEST_SHARD_BYTES", "MIN_REQUEST_SHARD_BYTES", "ReplicationServer",
@@ -74,11 +78,16 @@ def padded_bytes(nbytes: int) -> int:
 
 
 def pack_bytes(data: bytes | bytearray | memoryview) -> torch.Tensor:
-    """Raw bytes as a tensor ``dht.wire`` can send (one copy).
+    """Raw bytes as a tensor ``dht.wire`` can send.
 
     ``dht.wire`` allow-lists no uint8, so the bytes travel as int64 words, zero-padded to a
-    multiple of 8; the header carries the true length (``unpack_bytes``).
+    multiple of 8; the header carries the true length (``unpack_bytes``). A writable buffer of a
+    whole number of words is sent without a copy (the caller must not change it until sent);
+    anything else is copied once.
     """
+    view = memoryview(data)
+    if len(view) and len(view) % WIRE_WORD_BYTES == 0 and view.contiguous and not view.readonly:
+        return torch.frombuffer(view, dtype=torch.int64)
     padded = bytearray(padded_bytes(len(data)))
     padded[: len(data)] = data
     return torch.frombuffer(padded, dtype=torch.int64) if padded else _ZEROS[:0]
@@ -130,6 +139,7 @@ class ReplicationServer:
         self.num_shards_served = 0
         self._versions: OrderedDict[int, _Version] = OrderedDict()
         self._build_lock = asyncio.Lock()
+        self._send_locks: dict[Any, asyncio.Lock] = {}  # caller -> its shards leave in turn
         self._handlers: list[str] = []
 
     async def start(self) -> None:
@@ -154,8 +164,14 @@ class ReplicationServer:
     async def rpc_manifest(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve(reader, writer, self._process_manifest)
 
-    async def rpc_shard(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._serve(reader, writer, self._process_shard)
+    async def rpc_shard(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        caller = getattr(info, "peer_id", None)
+        lock = self._send_locks.setdefault(caller, asyncio.Lock())
+        try:
+            await self._serve(reader, writer, self._process_shard, send_lock=lock)
+        finally:
+            if not lock.locked() and self._send_locks.get(caller) is lock:
+                del self._send_locks[caller]  # no other answer to this caller is waiting
 
     async def rpc_probe(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve(reader, writer, self._process_probe)
@@ -165,30 +181,34 @@ class ReplicationServer:
         held = self._versions.get(version)
         return () if held is None else tuple(sorted(held.manifests))
 
-    async def load_shard(self, version: int, shard_bytes: int, index: int) -> bytes | bytearray | memoryview:
-        """The bytes of shard ``index`` of a held version (an override point for fault tests).
+    async def load_shard(
+        self, version: int, shard_bytes: int, index: int, count: int = 1
+    ) -> bytes | bytearray | memoryview:
+        """The bytes of shards ``index`` .. ``index + count - 1`` of a held version (an override
+        point for fault tests).
 
         Raises:
-            ValueError: the version is not held (never built or evicted) or the index is out of range.
+            ValueError: the version is not held (never built or evicted) or the range is out of range.
         """
         held = self._versions.get(version)
         if held is None:
             raise ValueError(f"version {version} is not held here (held: {list(self._versions)})")
         num_shards = count_shards(len(held.data), shard_bytes)
-        if index >= num_shards:
-            raise ValueError(f"shard index {index} out of range 0..{num_shards - 1}")
+        if index >= num_shards or index + count > num_shards:
+            raise ValueError(f"shard index {index} (+{count}) out of range 0..{num_shards - 1}")
         start = index * shard_bytes
-        return held.data[start : start + shard_bytes]
+        return held.data[start : start + count * shard_bytes]
 
     def _count(self, outcome: str) -> None:
         self.num_refused += outcome == "refused"
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Callable) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Callable,
+                     send_lock: asyncio.Lock | None = None) -> None:
         async def process_header(header: dict[str, Any], _tensors: list) -> tuple[dict[str, Any], list]:
             return await process(header)
 
-        await serve_request(reader, writer, process_header, max_payload_bytes=0,
-                            timeout=self.request_timeout, what="replication", on_outcome=self._count)
+        await serve_request(reader, writer, process_header, max_payload_bytes=0, timeout=self.request_timeout,
+                            what="replication", on_outcome=self._count, send_lock=send_lock)
 
     def _require_stage(self, header: Mapping[str, Any]) -> None:
         if header.get("stage") != self.stage or isinstance(header.get("stage"), bool):
@@ -206,21 +226,27 @@ class ReplicationServer:
         logger.debug(f"replication: manifest v{manifest.version} s={shard_bytes} served")
         return {"ok": True, "manifest": manifest.to_wire()}, []
 
-    async def _describe(self, shard_bytes: int, pinned: int | None) -> Manifest:
-        """The manifest of ``pinned`` (or of a fresh snapshot) at ``shard_bytes``, built once."""
+    async def _describe(self, min_piece_bytes: int, pinned: int | None) -> Manifest:
+        """The manifest of ``pinned`` (or of a fresh snapshot) at the piece size ``piece_size_for``
+        gives its state and ``min_piece_bytes``, built once."""
         if pinned is None:
             version, state = await self.snapshot_fn()
             if version not in self._versions:
+                total = sum(t.numel() * t.element_size() for t in state.values())
                 manifest, data = await asyncio.to_thread(
                     build_manifest, state, run_id=self.run_id, stage=self.stage, version=version,
-                    shard_bytes=shard_bytes)
-                self._remember(version, _Version(data, {shard_bytes: manifest}))
+                    shard_bytes=piece_size_for(total, min_piece_bytes))
+                # Served without a copy (pack_bytes): a writable view of the frozen snapshot, which
+                # nothing writes to.
+                writable = memoryview(data.obj) if isinstance(data.obj, bytearray) else data
+                self._remember(version, _Version(writable, {manifest.shard_bytes: manifest}))
         elif pinned in self._versions:
             version = pinned
         else:
             raise ValueError(f"version {pinned} is no longer held here (held: {list(self._versions)})")
         held = self._versions[version]
         self._versions.move_to_end(version)
+        shard_bytes = piece_size_for(len(held.data), min_piece_bytes)
         if shard_bytes not in held.manifests:
             if count_shards(len(held.data), shard_bytes) > MAX_REQUEST_SHARDS:
                 raise ValueError(f"shard_bytes {shard_bytes} makes more than {MAX_REQUEST_SHARDS} shards")
@@ -242,9 +268,12 @@ class ReplicationServer:
         version = require_int(header, "version")
         shard_bytes = self._require_shard_bytes(header)
         index = require_int(header, "index")
-        data = await self.load_shard(version, shard_bytes, index)
-        self.num_shards_served += 1
-        logger.debug(f"replication: shard {index} of v{version} ({len(data)} bytes) served")
+        count = 1 if header.get("count") is None else require_int(header, "count", low=1, high=MAX_REQUEST_SHARDS)
+        if count * shard_bytes > MAX_REQUEST_SHARD_BYTES:
+            raise ValueError(f"{count} shards of {shard_bytes} bytes exceed {MAX_REQUEST_SHARD_BYTES} bytes")
+        data = await self.load_shard(version, shard_bytes, index, count)
+        self.num_shards_served += count
+        logger.debug(f"replication: shards {index}+{count} of v{version} ({len(data)} bytes) served")
         return {"ok": True, "index": index, "nbytes": len(data)}, [pack_bytes(data)]
 
     async def _process_probe(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:

@@ -116,14 +116,18 @@ class ShardStore:
         """Whether every shard is held."""
         return len(self.held_shards()) == self._manifest.num_shards
 
-    def put_shard(self, index: int, data: bytes | bytearray | memoryview) -> None:
+    def put_shard(self, index: int, data: bytes | bytearray | memoryview, *, verified: bool = False) -> None:
         """Verifies shard ``index`` and stores it atomically.
+
+        Args:
+            verified: the caller has just checked ``data`` with ``is_shard_valid`` (skips a
+                second hash pass).
 
         Raises:
             ManifestError: the bytes are not shard ``index`` (wrong length or digest); the
                 caller should blame the donor and re-plan that shard.
         """
-        if not is_shard_valid(self._manifest, index, data):
+        if not verified and not is_shard_valid(self._manifest, index, data):
             raise ManifestError(f"shard {index} does not match the manifest")
         _write_atomically(self._directory / _shard_name(index), data)
         with self._lock:
