@@ -61,7 +61,7 @@ th { color: #5a6478; font-weight: 600; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .state { border-radius: 3px; padding: 1px 6px; font-size: 12px; color: #fff; }
 .state-training { background: #2e9d57; } .state-syncing { background: #3b7dd8; }
-.state-joining { background: #c79a16; } .state-leaving { background: #8a8f99; }
+.state-joining { background: #c79a16; } .state-leaving { background: #8a8f99; } .state-paused { background: #8e44ad; }
 .mono { font-family: monospace; }
 .muted { color: #8a93a6; }
 </style></head>

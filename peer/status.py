@@ -164,7 +164,7 @@ def local_status(peer: Any) -> dict[str, Any]:
     Keys (stable; new ones may be added, none removed or renamed):
         peer_id, run_id, role ("reliable"/"unreliable"), client_mode (bool), stage (-1 before one is
         chosen), num_stages (None before the spec is known), state ("joining"/"syncing"/"training"/
-        "leaving"), software_version, step (optimizer steps of its stage replica), tokens_per_s,
+        "paused"/"leaving"), software_version, step (optimizer steps of its stage replica), tokens_per_s,
         samples_per_s, microbatches_per_s, bytes_sent_per_s, bytes_received_per_s (recent window),
         loss (most recent, None if none yet), bytes_sent, bytes_received (payload bytes of its pipeline and state traffic, None if not
         counted), uptime_s, num_samples (samples it has contributed), num_microbatches, flops
