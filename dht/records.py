@@ -22,7 +22,7 @@ RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RUNS_KEY = "murmuration.runs"
 PROTOCOL_VERSION = 1
 ROLES = ("reliable", "unreliable")
-PEER_STATES = ("joining", "syncing", "training", "leaving")
+PEER_STATES = ("joining", "syncing", "training", "paused", "leaving")
 MAX_STAGES = 64
 MAX_ADDRS = 16
 SOFTWARE_VERSION_PATTERN = re.compile(r"^[0-9A-Za-z.+_-]{0,32}$")
@@ -166,7 +166,7 @@ class PeerRecord:
         peer_id: the libp2p peer id (base58).
         role: "reliable" (committed; hosts averaging) or "unreliable" (may vanish; client mode).
         state: "joining" (has announced intent), "syncing" (downloading state), "training",
-            "leaving".
+            "paused" (holds its stage and state but takes no work until resumed), "leaving".
         stage: the stage it serves, or -1 while joining.
         flops: measured compute, FLOP/s (what the planner uses to place joiners).
         samples_per_s: samples/s it actually processed recently (0 until it has trained).

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import random
+import signal
 import time
 
 import torch
@@ -79,10 +80,13 @@ class Peer:
     async def run(self, stop: asyncio.Event) -> None:
         status = open_peer_status(self)  # health page, /metrics, terminal view: from joining to leaving
         await status.start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, self.toggle_pause)
         try:
             await self._join()
             await self._train(stop)
         finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
             await self._leave()
             await status.shutdown()
 
@@ -100,7 +104,7 @@ class Peer:
             raise UserError(f"Cannot reach the swarm: {e}; check that the bootstrap is running and its multiaddr is right.") from e
         self.peer_id = self.dht.peer_id.to_base58()
         self.maddrs = tuple(visible_maddrs(self.dht)[:4])  # read once: every heartbeat carries them
-        logger.info(f"joined the DHT as {self.peer_id} ({self.role})")
+        logger.info(f"joined the DHT as {self.peer_id} ({self.role}); reachable at {' '.join(self.maddrs)}")
         self.spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout)
         logger.info(f"run spec: {self.spec.describe()}")
         self.history = StatusHistory(seq_len=self.spec.model.seq_len)
@@ -128,6 +132,24 @@ class Peer:
         self.status_protocol = StatusProtocol(self.p2p, lambda: local_status(self))
         await self.status_protocol.start()
         await self._obtain_state()
+
+    def toggle_pause(self) -> None:
+        """SIGUSR1: stop taking new work without leaving the swarm, or resume.
+
+        A paused peer keeps its stage, its state and its DHT record (state "paused", so routers and
+        averaging pass it by); its in-flight microbatches finish. Resuming continues where it stopped.
+        """
+        if self.state not in ("training", "paused"):
+            logger.warning(f"cannot pause or resume while {self.state}: only a training peer pauses")
+            return
+        pause = self.state == "training"
+        self.state = "paused" if pause else "training"
+        for worker in (self.trainer, self.server):
+            if worker is not None:
+                worker.is_paused = pause
+        self.metrics.write("paused" if pause else "resumed", stage=self.stage.index, step=self.stage.version)
+        logger.info("paused: taking no new work, keeping the stage and its state; send SIGUSR1 again to resume"
+                    if pause else "resumed")
 
     def _check_memory(self, stage_index: int, device: torch.device) -> None:
         needed = stage_memory_bytes(self.spec, stage_index, max_in_flight=self.config.max_in_flight)

@@ -52,6 +52,7 @@ class StageServer:
         self.num_refused = 0
         self._local_ids = itertools.count()
         self._accepting = True
+        self.is_paused = False  # declines new microbatches while set (the peer's volunteer paused it)
         self._active: set[asyncio.Task] = set()  # handler tasks serving a request right now
 
     async def start(self) -> None:
@@ -90,6 +91,8 @@ class StageServer:
     async def _process_forward(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list]:
         if not self._accepting:
             raise Declined("this peer is leaving")
+        if self.is_paused:
+            raise Declined("this peer is paused")
         spec, stage = self.stage.spec, self.stage
         mb_id, route, batch_size = _check_forward_header(header, spec.microbatch_size, stage.index)
         activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")

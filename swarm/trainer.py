@@ -22,6 +22,7 @@ from swarm.stage import Stage
 
 logger = logging.getLogger(__name__)
 NO_PEER_BACKOFF = 0.5
+PAUSE_POLL_PERIOD = 0.2  # how soon a paused trainer notices it was resumed, seconds
 
 
 class Trainer:
@@ -44,6 +45,7 @@ class Trainer:
         self.stage, self.sampler, self.router = stage, sampler, router
         self.peer_id, self.max_in_flight, self.on_microbatch = peer_id, max_in_flight, on_microbatch
         self.num_unrouted = 0
+        self.is_paused = False  # injects no new microbatch while set; in-flight ones finish
         self._ids = itertools.count()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -55,6 +57,9 @@ class Trainer:
     async def _lane(self, stop: asyncio.Event, lane: int) -> None:
         await asyncio.sleep(0.05 * lane)  # stagger lanes so they do not hit the pipeline in lockstep
         while not stop.is_set():
+            if self.is_paused:
+                await asyncio.sleep(PAUSE_POLL_PERIOD)
+                continue
             try:
                 await self.run_microbatch()
             except NoPeerAvailableError as e:
