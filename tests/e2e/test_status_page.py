@@ -75,9 +75,10 @@ def swarm(tmp_path_factory) -> Iterator[Swarm]:
     try:
         bootstrap_port, peer_ports = free_port(), [free_port(), free_port()]
         local.start_bootstrap("--status-port", str(bootstrap_port))
-        for stage, port in enumerate(peer_ports):
+        # peer 0 runs as a service would (--quiet), peer 1 prints the terminal view to its log
+        for stage, (port, shown) in enumerate(zip(peer_ports, (("--quiet",), ("--terminal-view", "on")))):
             local.start_peer("--num-threads", "1", "--stage", str(stage), "--status-port", str(port),
-                             "--terminal-view", "on", "--status-period", "2")
+                             "--status-period", "2", *shown)
         wait_for(lambda: all(is_ready(p) for p in peer_ports) or not all(p.is_alive() for p in local.peers),
                  120, "both peers to train and show throughput")
         assert all(p.is_alive() for p in local.peers), local.logs()
@@ -149,6 +150,25 @@ def test_terminal_view_is_printed_with_the_stage_map(swarm):
     log = swarm.local.peers[1].log_path.read_text()
     assert "stage map  (2 of 2 peers training)" in log
     assert "◀ bottleneck" in log and "← this peer" in log and "tokens/s" in log
+
+
+def test_quiet_peer_prints_no_info_lines_and_no_view(swarm):
+    log = swarm.local.peers[0].log_path.read_text()
+    assert " I [" not in log and "Murmuration ·" not in log and "stage map" not in log
+    assert status(swarm.peer_ports[0])["local"]["state"] == "training"  # quiet, not idle
+
+
+def test_a_status_port_in_use_is_one_sentence_and_exit_code_2(tmp_path):
+    with socket.socket() as taken, LocalSwarm(tmp_path / "busy") as local:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        local.start_bootstrap("--status-port", port)
+        peer = local.start_peer("--status-port", port, bootstrap=["/ip4/127.0.0.1/tcp/9/p2p/" + "Qm" + "x" * 44])
+        for proc in (local.bootstrap, peer):
+            assert proc.process.wait(60) == 2, proc.log_tail()
+            assert f"error: Cannot serve the status page on 127.0.0.1:{port}" in proc.log_tail()
+            assert "choose another --status-port" in proc.log_tail() and "Traceback" not in proc.log_tail()
 
 
 def chromium() -> str:
