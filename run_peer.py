@@ -13,6 +13,8 @@ from peer.logs import configure_logging
 
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(PeerConfig)
+    parser.add_argument("--dry-run", action="store_true", help="join, measure, say which stage this peer would "
+                        "take, whether it fits in memory and what it would add to the swarm's throughput, then leave")
     try:
         config, args = load_config(parser, PeerConfig, argv)
     except ValueError as e:
@@ -27,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(config.num_threads)
 
     async def serve(stop: asyncio.Event) -> None:
+        if args.dry_run:
+            from peer.dry_run import dry_run
+
+            print(await dry_run(config), flush=True)
+            return
         await peer.run(stop)
 
     return run_until_signalled(serve)
