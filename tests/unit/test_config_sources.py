@@ -180,6 +180,8 @@ def test_help_names_the_config_file_and_the_environment(script):
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert "--config PATH.toml" in text and "MURMURATION_<NAME>" in text
+    if script == "run_peer.py":
+        assert "--dry-run" in text
 
 
 def test_example_files_load(tmp_path):
