@@ -125,6 +125,7 @@ class SyncProgress:
         self.started_at = time.time()
         self._received_at_start = traffic.bytes_received
         self.finished = False
+        self.received_bytes: int | None = None  # what actually arrived, once finished: checks the estimate
 
     @property
     def done_bytes(self) -> int:
@@ -133,15 +134,18 @@ class SyncProgress:
         return min(self.total_bytes, self.traffic.bytes_received - self._received_at_start)
 
     def finish(self) -> None:
+        self.received_bytes = self.traffic.bytes_received - self._received_at_start
         self.finished = True
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
-        """``{"done_bytes", "total_bytes", "started_at", "eta_s"}``; eta_s is None until bytes arrive."""
+        """``{"done_bytes", "total_bytes", "started_at", "eta_s", "finished", "received_bytes"}``; eta_s is
+        None until bytes arrive; received_bytes (all bytes read during the download) None until finished."""
         now = time.time() if now is None else now
         done, elapsed = self.done_bytes, now - self.started_at
         eta = (self.total_bytes - done) * elapsed / done if done > 0 and elapsed > 0 else None
         return {"done_bytes": done, "total_bytes": self.total_bytes, "started_at": round(self.started_at, 3),
-                "eta_s": round(eta, 1) if eta is not None else None, "finished": self.finished}
+                "eta_s": round(eta, 1) if eta is not None else None, "finished": self.finished,
+                "received_bytes": self.received_bytes}
 
 
 def sample_peer(peer: Any, *, now: float | None = None) -> StatusSample:
@@ -164,13 +168,13 @@ def local_status(peer: Any) -> dict[str, Any]:
     Keys (stable; new ones may be added, none removed or renamed):
         peer_id, run_id, role ("reliable"/"unreliable"), client_mode (bool), stage (-1 before one is
         chosen), num_stages (None before the spec is known), state ("joining"/"syncing"/"training"/
-        "paused"/"leaving"), software_version, step (optimizer steps of its stage replica), tokens_per_s,
-        samples_per_s, microbatches_per_s, bytes_sent_per_s, bytes_received_per_s (recent window),
-        loss (most recent, None if none yet), bytes_sent, bytes_received (payload bytes of its pipeline and state traffic, None if not
-        counted), uptime_s, num_samples (samples it has contributed), num_microbatches, flops
-        (measured FLOP/s), time (unix seconds of this status), sync (state download progress:
-        ``{"done_bytes", "total_bytes", "started_at", "eta_s", "finished"}``, or None if this peer
-        downloaded nothing).
+        "paused"/"leaving"), software_version, step (optimizer steps of its stage replica),
+        tokens_per_s, samples_per_s, microbatches_per_s, bytes_sent_per_s, bytes_received_per_s
+        (recent window), loss (most recent, None if none yet), bytes_sent, bytes_received (payload
+        bytes of its pipeline and state traffic, None if not counted), uptime_s, num_samples
+        (samples it has contributed), num_microbatches, flops (measured FLOP/s), time (unix seconds
+        of this status), sync (state download progress: ``{"done_bytes", "total_bytes",
+        "started_at", "eta_s", "finished", "received_bytes"}``, or None if it downloaded nothing).
     """
     stage = getattr(peer, "stage", None)
     spec = getattr(peer, "spec", None)

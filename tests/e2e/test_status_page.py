@@ -214,3 +214,17 @@ def test_browser_renders_the_stage_map_and_plots(swarm, tmp_path):
 def near(counts: dict[tuple[int, int, int], int], color: tuple[int, int, int], tolerance: int = 12) -> int:
     """Pixels within ``tolerance`` of ``color`` on every channel (anti-aliasing shifts edges a little)."""
     return sum(n for rgb, n in counts.items() if all(abs(a - b) <= tolerance for a, b in zip(rgb, color)))
+
+
+def test_a_late_joiner_reports_its_state_download_and_joins_the_map(swarm):
+    """Last in the module: it adds a third peer to the shared swarm."""
+    port = free_port()
+    swarm.local.start_peer("--num-threads", "1", "--stage", "1", "--status-port", str(port), "--quiet")
+    wait_for(lambda: is_ready(port) or not swarm.local.peers[-1].is_alive(), 90, "the late joiner to train")
+    local = status(port)["local"]
+    sync = local["sync"]
+    assert sync["finished"] and sync["done_bytes"] == sync["total_bytes"] > 1_000_000, sync
+    # the progress bar counts bytes received against the state's size: the two must agree
+    assert 0.9 * sync["total_bytes"] <= sync["received_bytes"] <= 1.3 * sync["total_bytes"], sync
+    wait_for(lambda: status(swarm.peer_ports[0])["stages"][1]["num_peers"] == 2, 20, "the map to show the joiner")
+    assert local["peer_id"] in status(swarm.peer_ports[0])["stages"][1]["peer_ids"]

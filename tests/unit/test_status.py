@@ -105,7 +105,7 @@ def test_sync_progress_counts_bytes_received_since_it_began_and_estimates_the_et
     traffic.bytes_received += 10_000  # more than the state (other traffic): never past 100 %
     assert progress.done_bytes == 1_000
     progress.finish()
-    assert progress.as_dict()["finished"] is True
+    assert progress.as_dict()["finished"] is True and progress.as_dict()["received_bytes"] == 10_250
 
 
 def test_sample_peer_before_a_stage_is_all_zero():
