@@ -57,6 +57,13 @@ def make_state(state_bytes: int) -> dict:
     return state
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """So that a reader polling for ``path`` never sees it half written."""
+    temp = path.with_suffix(".tmp")
+    temp.write_text(text)
+    os.replace(temp, path)
+
+
 def wait_for_file(path: Path, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -89,8 +96,8 @@ def run_donor(args: argparse.Namespace) -> None:
 
         server = ReplicationServer(await dht.replicate_p2p(), run_id=RUN_ID, stage=STAGE, snapshot_fn=snapshot)
         async with server:
-            (args.workdir / f"donor{args.index}.json").write_text(
-                json.dumps({"peer_id": dht.peer_id.to_base58(), "rate_mbit": args.rate_mbit}))
+            write_atomically(args.workdir / f"donor{args.index}.json",
+                             json.dumps({"peer_id": dht.peer_id.to_base58(), "rate_mbit": args.rate_mbit}))
             deadline = time.monotonic() + 10 * METHOD_TIMEOUT
             while not (args.workdir / "stop").exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
@@ -115,7 +122,7 @@ def run_joiner(args: argparse.Namespace) -> None:
 
     dht, _ = open_dht(DHTNodeConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",)))
     port = int(str(dht.get_visible_maddrs()[0]).split("/tcp/")[1].split("/")[0])
-    (args.workdir / "joiner.json").write_text(json.dumps({"peer_id": dht.peer_id.to_base58(), "port": port}))
+    write_atomically(args.workdir / "joiner.json", json.dumps({"peer_id": dht.peer_id.to_base58(), "port": port}))
     donors = [wait_for_file(args.workdir / f"donor{i}.json", START_TIMEOUT) for i in range(len(args.rates))]
     expected = make_state(args.state_bytes)
     state_bytes = sum(t.numel() * t.element_size() for t in expected.values())
@@ -161,6 +168,7 @@ async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -
     for method, chosen, method_config in (("lpt", peer_ids, config), ("lpt-static", peer_ids, static),
                                           ("even", peer_ids, static),
                                           ("single", [fastest], dataclasses.replace(config, min_agreeing_donors=1))):
+        await asyncio.to_thread(os.sync)  # the disk writes of the previous method are not this one's
         real_probe = transfer.probe_donors
         if method == "even":
             transfer.probe_donors = _equal_links(real_probe)
@@ -181,6 +189,7 @@ async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -
                           "phase_seconds": {k: round(v, 3) for k, v in report.phase_seconds.items()},
                           "bytes_by_donor": {p[-6:]: n for p, n in report.bytes_by_donor.items()},
                           "probed_mb_s": {p[-6:]: round(1e-6 / b, 1) for p, (_, b) in report.links.items()},
+                          "measured_mb_s": {p[-6:]: round(1e-6 / b, 1) for p, b in report.measured_per_byte.items()},
                           "probed_delay_ms": {p[-6:]: round(d * 1e3, 2) for p, (d, _) in report.links.items()},
                           "failed": report.failed_donors}), file=sys.stderr, flush=True)
     return results
@@ -224,7 +233,7 @@ def joiner_cpu_seconds() -> float:
 
 def measure_hivemind(dht, averager, expected: dict, donor: dict, donors: list[dict], workdir: Path) -> tuple[float, float]:
     """``load_state_from_peers`` once ``donor`` declares the highest priority (seconds, joiner CPU)."""
-    (workdir / "hivemind_top").write_text(str(donors.index(donor)))
+    write_atomically(workdir / "hivemind_top", str(donors.index(donor)))
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:  # every declaration is visible, the chosen donor on top
         found = dht.get(f"{PREFIX}.all_averagers", latest=True)

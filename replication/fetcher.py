@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from replication.assignment import NeighbourLink, assign_shards_greedy
 from replication.client import DONOR_FAULTS, Session, call_pieces
 from replication.manifest import ManifestError, is_shard_valid
@@ -70,6 +72,7 @@ class _Donor:
 
     probed: NeighbourLink
     slots: int
+    min_measured_bytes: int
     queue: deque[int] = field(default_factory=deque)  # run ids, in sending order
     in_flight: dict[int, float] = field(default_factory=dict)  # run id -> sent at, in sending order
     workers: set[asyncio.Task] = field(default_factory=set)
@@ -79,16 +82,21 @@ class _Donor:
     planned_per_byte: float = 0.0  # what the last plan assumed
     failed: bool = False
 
+    def measured(self) -> bool:
+        """Whether enough came back to trust the measured rate: a full piece at least (a run of a
+        few bytes, the state's tail, lasts about d_u and says nothing about b_u)."""
+        return self.bytes_done >= self.min_measured_bytes
+
     def per_byte(self) -> float:
-        """b_u (with d_u folded in) as measured, or as probed before the first run came back."""
-        if self.bytes_done:
+        """b_u (with d_u folded in) as measured, or as probed before that."""
+        if self.measured():
             return self.service_seconds / self.bytes_done
         return self.probed.per_byte_delay
 
     def request_delay(self) -> float:
         """d_u as the planner should see it: in the measured b_u once measured; else the probe's,
         shared by the requests in flight (they are pipelined)."""
-        return 0.0 if self.bytes_done else self.probed.propagation_delay / self.slots
+        return 0.0 if self.measured() else self.probed.propagation_delay / self.slots
 
 
 class PieceFetcher:
@@ -99,11 +107,14 @@ class PieceFetcher:
         self.session, self.store, self.report = session, store, report
         self.manifest = store.manifest
         config = session.config
-        self.donors = {peer: _Donor(link, config.max_in_flight_per_donor) for peer, link in sorted(links.items())}
+        self.donors = {peer: _Donor(link, config.max_in_flight_per_donor, self.manifest.shard_bytes)
+                       for peer, link in sorted(links.items())}
         self.runs = {run.first: run for run in runs}
         self.done: set[int] = set()
         self.fetches: dict[int, dict[str, asyncio.Future]] = {}  # run id -> donor -> its request
-        self.buffer = bytearray(self.manifest.total_bytes) if not store.held_shards() else None
+        # Not zero-filled (torch.empty): every byte is written by a verified piece before use.
+        self.buffer = None if store.held_shards() else memoryview(
+            torch.empty(self.manifest.total_bytes, dtype=torch.uint8).numpy())
         self._changed = asyncio.Event()
         self._lock = threading.Lock()
         self._credited: set[int] = set(store.held_shards())
@@ -114,11 +125,13 @@ class PieceFetcher:
         async with asyncio.TaskGroup() as group:
             self._group = group
             self.report.estimated_seconds = self._assign(sorted(self.runs)) - started
+        self.report.measured_per_byte = {peer: donor.per_byte() for peer, donor in self.donors.items()
+                                         if donor.measured()}
         if len(self.done) < len(self.runs):
             reasons = "; ".join(f"{p[-6:]}: {why}" for p, why in self.report.failed_donors.items())
             raise TransferError(f"pieces missing and no donor left ({reasons})", self.report)
 
-    def assembled(self) -> bytearray | None:
+    def assembled(self) -> memoryview | None:
         """The state buffer if every piece was verified and copied into it (None: use the store)."""
         with self._lock:
             return self.buffer if len(self._credited) == self.manifest.num_shards else None
@@ -297,7 +310,7 @@ class PieceFetcher:
         for piece, start, end, chunk in chunks:
             self.store.put_shard(piece, chunk, verified=True)
             if self.buffer is not None:  # distinct pieces are disjoint slices: no lock needed
-                memoryview(self.buffer)[start:end] = chunk
+                self.buffer[start:end] = chunk
             with self._lock:
                 if piece in self._credited:
                     continue

@@ -31,6 +31,8 @@ class PullReport:
         num_resumed: pieces already on disk (verified) when the pull started.
         num_replans: times Alg. 2 ran (the first plan included).
         num_duplicated: end-game copies requested of a run already in flight elsewhere.
+        measured_per_byte: donor -> b_u as measured during the transfer (its service seconds per
+            byte, d_u included), for the donors that sent something.
     """
 
     links: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -48,6 +50,7 @@ class PullReport:
     num_resumed: int = 0
     num_replans: int = 0
     num_duplicated: int = 0
+    measured_per_byte: dict[str, float] = field(default_factory=dict)
 
 
 class TransferError(RuntimeError):

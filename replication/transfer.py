@@ -52,7 +52,7 @@ MIN_PER_BYTE_DELAY = 1e-11  # 100 GB/s: a floor so that loopback noise never giv
 # short and often off by 2x on a busy host (a 1 MiB probe lasts 20 ms on a 400 Mbit/s link); with
 # several requests per donor the rates measured on the first ones correct the plan, and the end game
 # can copy a late one, whereas one huge request per donor can be neither moved nor copied cheaply.
-MIN_RUNS_PER_DONOR = 8
+MIN_RUNS_PER_DONOR = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +87,7 @@ class TransferConfig:
     max_in_flight_per_donor: int = 2
     rebalance: bool = True
     endgame: bool = True
-    probe_bytes: int = 1024 * 1024
+    probe_bytes: int = 256 * 1024
     num_probe_rounds: int = 1
     request_timeout: float = 10.0
     shard_timeout_floor: float = 5.0
