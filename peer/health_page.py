@@ -63,6 +63,8 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .state-training { background: #2e9d57; } .state-syncing { background: #3b7dd8; }
 .state-joining { background: #c79a16; } .state-leaving { background: #8a8f99; } .state-paused { background: #8e44ad; }
 .mono { font-family: monospace; }
+.legend { font-size: 12px; color: #5a6478; display: flex; gap: 14px; margin-left: 58px; }
+.swatch { display: inline-block; width: 22px; vertical-align: middle; margin-right: 5px; }
 .muted { color: #8a93a6; }
 </style></head>
 <body>
@@ -72,7 +74,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 <section><h2>Stage map</h2><div class="stages" id="stage-map"></div></section>
 <section><h2>Over time</h2><div class="plots">
   <div class="plot"><div class="muted">loss (nats/token), last stage</div><svg id="plot-loss" width="100%" height="190" viewBox="0 0 560 190"></svg></div>
-  <div class="plot"><div class="muted">tokens/s: swarm (black) and per stage</div><svg id="plot-throughput" width="100%" height="190" viewBox="0 0 560 190"></svg></div>
+  <div class="plot"><div class="muted">tokens/s</div><svg id="plot-throughput" width="100%" height="190" viewBox="0 0 560 190"></svg><div class="legend" id="legend"></div></div>
 </div></section>
 <section><h2>Peers</h2><table><thead><tr><th>peer</th><th>stage</th><th>state</th><th>role</th><th>version</th>
 <th>tokens/s</th><th>loss</th><th>samples</th><th>step</th><th>sent</th><th>received</th></tr></thead>
@@ -185,8 +187,16 @@ function plot(id, times, series) {
     const points = times.map((t, i) => [t, s.values[i]]).filter(([, v]) => v !== null && isFinite(v));
     if (points.length < 2) continue;
     root.append(svg("polyline", {points: points.map(([t, v]) => x(t).toFixed(1) + "," + y(v).toFixed(1)).join(" "),
-      fill: "none", stroke: s.color, "stroke-width": s.width || 2, "stroke-linejoin": "round", class: "series"}));
+      fill: "none", stroke: s.color, "stroke-width": s.width || 2, "stroke-linejoin": "round",
+      "stroke-dasharray": s.dash || "none", class: "series"}));
   }
+}
+
+function renderLegend(numStages) {
+  const swatch = (color, dashed) => el("span", {class: "swatch", style: "border-top: 3px " + (dashed ? "dashed " : "solid ") + color}, "");
+  const items = [el("span", {}, swatch("#111", true), "swarm (last stage)")];
+  for (let k = 0; k < numStages; k++) items.push(el("span", {}, swatch(STAGE_COLORS[k % STAGE_COLORS.length], false), "stage " + k));
+  document.getElementById("legend").replaceChildren(...items);
 }
 
 function render(doc) {
@@ -202,7 +212,8 @@ function render(doc) {
   const perStage = Array.from({length: doc.num_stages}, (_, k) => ({
     values: doc.history.map(p => p.stage_tokens_per_s[k] === undefined ? null : p.stage_tokens_per_s[k]),
     color: STAGE_COLORS[k % STAGE_COLORS.length], width: 1.5}));
-  plot("plot-throughput", times, [...perStage, {values: doc.history.map(p => p.tokens_per_s), color: "#111", width: 2.5}]);
+  plot("plot-throughput", times, [...perStage, {values: doc.history.map(p => p.tokens_per_s), color: "#111", width: 2, dash: "6 4"}]);
+  renderLegend(doc.num_stages);
   document.body.setAttribute("data-rendered", "yes");
 }
 

@@ -97,7 +97,8 @@ class StatusService:
         if not self.port and self.terminal is None:
             return  # nothing to show: no server, no history to keep
         if self.port:
-            self.server = StatusHTTPServer(self._routes(), host=self.host, port=self.port)
+            self.server = StatusHTTPServer({}, host=self.host, port=self.port)
+            self.server.routes.update(self._routes(self.server))  # /metrics counts the server's own requests
             try:
                 await self.server.start()
             except OSError as e:
@@ -129,8 +130,8 @@ class StatusService:
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
-    def _routes(self) -> dict[str, Callable[[], Any]]:
-        collectors = [SwarmCollector(self._swarm_only), HTTPCollector(self._server_counts())]
+    def _routes(self, server: StatusHTTPServer) -> dict[str, Callable[[], Any]]:
+        collectors = [SwarmCollector(self._swarm_only), HTTPCollector(server)]
         if self.source.peer is not None:
             collectors.insert(0, PeerCollector(self.source.peer))
         registry = make_registry(*collectors)
@@ -146,20 +147,6 @@ class StatusService:
             return Response(render_metrics(registry), CONTENT_TYPE)
 
         return {"/": page, "/index.html": page, "/status.json": status_json, "/metrics": metrics}
-
-    def _server_counts(self) -> Any:
-        service = self
-
-        class Counts:  # the server is created after its routes; read its counters through the service
-            @property
-            def num_requests(self) -> int:
-                return service.server.num_requests if service.server is not None else 0
-
-            @property
-            def num_bad_requests(self) -> int:
-                return service.server.num_bad_requests if service.server is not None else 0
-
-        return Counts()
 
     def _swarm_only(self) -> dict[str, Any]:
         doc = self.status_document()

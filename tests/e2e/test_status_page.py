@@ -194,6 +194,7 @@ def test_browser_renders_the_stage_map_and_plots(swarm, tmp_path):
         assert f'<span class="chip" title="{peer_id}">{peer_id}</span>' in html  # drawn by the script
         assert f'data-peer="{peer_id}"' in html
     assert html.count('class="series"') >= 2  # loss and throughput lines were plotted
+    assert "swarm (last stage)</span>" in html and "stage 1</span>" in html  # the plot's legend
     assert "(this peer)" in html
 
     shot = tmp_path / "health-page.png"
