@@ -6,6 +6,7 @@ from the main environment, so its re-execution into .venv-libp2p is exercised to
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -31,6 +32,22 @@ def peer_address(peer) -> str:
     return match.group(1) if match else ""
 
 
+def wait_for_record_state(maddrs: list[str], peer_id: str, state: str, timeout: float) -> None:
+    """Poll the run's peer records in the DHT (as another peer sees them) until ``peer_id``'s has ``state``."""
+    from dht.node import DHTNodeConfig, open_dht
+    from dht.registry import fetch_peers
+
+    dht, _ = open_dht(DHTNodeConfig(initial_peers=tuple(maddrs), client_mode=True))
+    try:
+        def has_state() -> bool:
+            records = asyncio.run(fetch_peers(dht, "demo"))
+            return any(r.peer_id == peer_id and r.state == state for r in records)
+
+        wait_for(has_state, timeout, f"the peer's DHT record to say {state}")
+    finally:
+        dht.shutdown()
+
+
 def status_steps(peer, after: float) -> list[int]:
     return [e["step"] for e in peer.events("status") if e["t"] > after]
 
@@ -51,6 +68,7 @@ def test_status_client_reads_a_live_peer_and_sees_it_pause_and_resume(local_swar
     wait_for(lambda: len(set(status_steps(peer, paused_at)[-2:])) == 1 and len(status_steps(peer, paused_at)) >= 2,
              20, "the paused peer's step to settle")
     frozen_step = status_steps(peer, paused_at)[-1]
+    wait_for_record_state(local_swarm.maddrs, peer_id, "paused", 10)
 
     result = status_client(address, "--json")
     assert result.returncode == 0, result.stderr
