@@ -68,7 +68,8 @@ class StatusService:
     Args:
         source: what to show.
         host, port: where to serve; ``port`` 0 serves nothing.
-        terminal: the terminal view to redraw every ``view_period`` seconds, or None.
+        terminal: the terminal view to redraw, or None.
+        view_period: seconds between redraws of the terminal view.
         sample_period: seconds between samples of the swarm history.
     """
 
