@@ -56,6 +56,7 @@ class PeerConfig:
     terminal_view: str = field(default="auto", metadata=_help("redraw a live view of this peer and the swarm every --status-period seconds: on, off, or auto (on when stdout is a terminal)"))
     quiet: bool = field(default=False, metadata=_help("print only warnings and errors (for services): no terminal view, log level WARNING"))
     verbose: bool = field(default=False, metadata=_help("debug logging (log level DEBUG)"))
+    pause_file: str | None = field(default=None, metadata=_help("creating this file pauses the peer without leaving the swarm, deleting it resumes (SIGUSR1 toggles pause too)"))
 
     def __post_init__(self) -> None:
         check_status_port(self.status_port)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -41,6 +42,7 @@ from swarm.view import SwarmView
 logger = logging.getLogger(__name__)
 MIB = 2**20
 LEAVE_TIMEOUT = 10.0
+PAUSE_FILE_PERIOD = 0.5
 
 
 class Peer:
@@ -151,6 +153,16 @@ class Peer:
         logger.info("paused: taking no new work, keeping the stage and its state; send SIGUSR1 again to resume"
                     if pause else "resumed")
 
+    async def _pause_file_loop(self, stop: asyncio.Event) -> None:
+        """--pause-file: creating the file pauses, deleting it resumes (SIGUSR1 still toggles in between)."""
+        existed = False
+        while not stop.is_set():
+            exists = os.path.exists(self.config.pause_file)
+            if exists != existed and exists != (self.state == "paused") and self.state in ("training", "paused"):
+                self.toggle_pause()
+            existed = exists
+            await asyncio.sleep(PAUSE_FILE_PERIOD)
+
     def _check_memory(self, stage_index: int, device: torch.device) -> None:
         needed = stage_memory_bytes(self.spec, stage_index, max_in_flight=self.config.max_in_flight)
         budget = self.config.max_memory_mb * MIB if self.config.max_memory_mb else available_memory_bytes(device)
@@ -212,6 +224,8 @@ class Peer:
             self.trainer = Trainer(stage, self._make_sampler(), router, peer_id=self.peer_id,
                                    max_in_flight=config.max_in_flight, on_microbatch=self._on_microbatch)
             self._tasks.append(asyncio.create_task(self.trainer.run(train_stop), name="trainer"))
+        if config.pause_file:  # after the trainer exists, so a pause reaches it
+            self._tasks.append(asyncio.create_task(self._pause_file_loop(train_stop), name="pause-file"))
         await self._wait_stop(stop)
         train_stop.set()
 
