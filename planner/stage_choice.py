@@ -1,4 +1,4 @@
-"""Stage choice at join time: fill the stage with the largest throughput deficit.
+"""Stage choice at join time: fill the stage with the largest throughput deficit; and rebalancing.
 
 Cost model. A stage ``k`` costs ``cost_k`` FLOPs per sample (forward + backward of its layers).
 A peer with measured compute ``f`` FLOP/s processes ``f / cost_k`` samples/s when it serves ``k``.
@@ -14,6 +14,11 @@ Concurrent joiners. Peers that join at the same moment see the same members and 
 join intents. Every joiner evaluates :func:`assign_joiners` on that same snapshot: joiners are
 placed one by one in (announce time, peer id) order, each seeing the earlier ones already placed,
 so they spread over the stages instead of all taking the same one.
+
+Rebalancing (:func:`choose_move`). Later, when peers have left, one peer may move from a stage with
+spare throughput to the bottleneck stage, if that raises the bottleneck by a clear margin
+(hysteresis); every peer computes the same move from the same records, and only the peer it names
+moves.
 """
 
 from __future__ import annotations
@@ -86,6 +91,72 @@ def assign_joiners(
         assignment[joiner.peer_id] = stage
         placed.append(StageMember(peer_id=joiner.peer_id, stage=stage, flops=joiner.flops))
     return assignment
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMove:
+    """One peer moving from the stage it serves to another, and what that does to the bottleneck.
+
+    Attributes:
+        peer_id: the peer that moves.
+        from_stage / to_stage: the stage it leaves and the stage it joins.
+        bottleneck_before / bottleneck_after: ``min_k T_k`` before and after the move, samples/s.
+    """
+
+    peer_id: str
+    from_stage: int
+    to_stage: int
+    bottleneck_before: float
+    bottleneck_after: float
+
+    @property
+    def gain(self) -> float:
+        """Relative rise of the bottleneck throughput (0.25 = 25 % faster pipeline)."""
+        return self.bottleneck_after / self.bottleneck_before - 1.0
+
+
+def choose_move(stage_costs: Sequence[float], members: Sequence[StageMember], *, min_gain: float) -> StageMove | None:
+    """The single move that raises the bottleneck most, if it raises it by ``min_gain`` or more.
+
+    Rebalancing with hysteresis (DESIGN §1 step 8). Only a move onto the bottleneck stage can raise
+    ``min_k T_k``, so every member of another stage is tried there; a stage is never emptied (its
+    state would be lost), and an empty stage is never a target (there is no state to pull from).
+    A move must beat the current bottleneck by the relative ``min_gain``: measurement noise then
+    moves nobody, and a move is never undone by the next decision, which would need a gain too.
+
+    Every peer evaluates this on the same records and gets the same answer, so exactly one peer,
+    the one named, moves; best gain first, then the slower peer (a smaller loss to its stage), then
+    the smaller peer id.
+
+    Returns:
+        The move, or None when no move clears ``min_gain`` (the swarm is balanced enough).
+    """
+    if min_gain < 0:
+        raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+    totals = stage_throughputs(stage_costs, members)
+    counts = [0] * len(stage_costs)
+    for member in members:
+        counts[member.stage] += 1
+    held = [k for k in range(len(stage_costs)) if counts[k] > 0]
+    if len(held) < len(stage_costs):  # a stage nobody holds: no move can fill it with its state
+        return None
+    before = min(totals)
+    target = min(range(len(totals)), key=lambda k: (totals[k], k))
+    best: tuple | None = None
+    for member in sorted(members, key=lambda m: m.peer_id):
+        if member.stage == target or counts[member.stage] < 2:
+            continue
+        after = list(totals)
+        after[member.stage] -= max(member.flops, 0.0) / stage_costs[member.stage]
+        after[target] += max(member.flops, 0.0) / stage_costs[target]
+        key = (-min(after), member.flops, member.peer_id)
+        if best is None or key < best[0]:
+            best = (key, member, min(after))
+    if best is None or before <= 0 or best[2] < before * (1.0 + min_gain):
+        return None
+    _, member, after_bottleneck = best
+    return StageMove(peer_id=member.peer_id, from_stage=member.stage, to_stage=target,
+                     bottleneck_before=before, bottleneck_after=after_bottleneck)
 
 
 def _check_costs(stage_costs: Sequence[float]) -> None:

@@ -201,3 +201,110 @@ def test_negative_flops_count_as_zero():
     members = [StageMember(peer_id="a", stage=0, flops=-5.0)]
     assert stage_throughputs([1.0, 1.0], members) == [0.0, 0.0]
     assert choose_stage([1.0, 1.0], members) == 0
+
+
+# ---- rebalancing: choose_move ---------------------------------------------------------------------
+
+from planner.stage_choice import StageMove, choose_move  # noqa: E402
+
+
+def brute_force_move(stage_costs, members, min_gain):
+    """Every single move of every peer to every other stage; the best that clears min_gain."""
+    before = min(stage_throughputs(stage_costs, members))
+    counts = [sum(1 for m in members if m.stage == k) for k in range(len(stage_costs))]
+    if 0 in counts:
+        return None
+    best = None
+    for member in members:
+        if counts[member.stage] < 2:
+            continue
+        for k in range(len(stage_costs)):
+            if k == member.stage:
+                continue
+            moved = [m if m is not member else StageMember(peer_id=m.peer_id, stage=k, flops=m.flops) for m in members]
+            after = min(stage_throughputs(stage_costs, moved))
+            if best is None or after > best[0] + 1e-12:
+                best = (after, member, k)
+    if best is None or best[0] < before * (1 + min_gain):
+        return None
+    return best
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_choose_move_reaches_the_brute_force_bottleneck(seed):
+    rng = random.Random(seed)
+    num_stages = rng.randint(1, 4)
+    costs = [rng.uniform(1.0, 4.0) for _ in range(num_stages)]
+    members = [StageMember(peer_id=f"p{i}", stage=rng.randrange(num_stages), flops=rng.uniform(1.0, 10.0))
+               for i in range(rng.randint(1, 8))]
+    min_gain = rng.choice([0.0, 0.05, 0.2])
+    move, oracle = choose_move(costs, members, min_gain=min_gain), brute_force_move(costs, members, min_gain)
+    if oracle is None:
+        assert move is None
+        return
+    assert move is not None
+    assert move.bottleneck_after == pytest.approx(oracle[0], rel=1e-9)
+    moved = [m if m.peer_id != move.peer_id else StageMember(peer_id=m.peer_id, stage=move.to_stage, flops=m.flops)
+             for m in members]
+    assert min(stage_throughputs(costs, moved)) == pytest.approx(move.bottleneck_after, rel=1e-9)
+    assert move.gain >= min_gain - 1e-12
+    # the stage it leaves keeps a member
+    assert any(m.stage == move.from_stage for m in moved)
+
+
+def test_a_balanced_swarm_moves_nobody_and_noise_is_below_the_threshold():
+    costs = [1.0, 1.0]
+    members = [StageMember(peer_id="a", stage=0, flops=10.0), StageMember(peer_id="b", stage=0, flops=10.5),
+               StageMember(peer_id="c", stage=1, flops=9.8), StageMember(peer_id="d", stage=1, flops=10.1)]
+    assert choose_move(costs, members, min_gain=0.1) is None
+
+
+def test_after_a_leave_the_slower_spare_peer_moves_to_the_bottleneck():
+    costs = [1.0, 1.0]
+    members = [StageMember(peer_id="a", stage=0, flops=10.0), StageMember(peer_id="b", stage=0, flops=8.0),
+               StageMember(peer_id="c", stage=0, flops=12.0), StageMember(peer_id="d", stage=1, flops=10.0)]
+    move = choose_move(costs, members, min_gain=0.1)
+    # moving b (8) gives min(22, 18) = 18; a gives min(20, 20) = 20; c gives min(18, 22) = 18
+    assert move == StageMove(peer_id="a", from_stage=0, to_stage=1, bottleneck_before=10.0, bottleneck_after=20.0)
+    assert move.gain == pytest.approx(1.0)
+
+
+def test_a_move_is_never_undone_by_the_next_decision():
+    rng = random.Random(7)
+    for _ in range(200):
+        costs = [rng.uniform(1, 3) for _ in range(rng.randint(2, 4))]
+        members = [StageMember(peer_id=f"p{i}", stage=rng.randrange(len(costs)), flops=rng.uniform(1, 10))
+                   for i in range(rng.randint(2, 9))]
+        for _ in range(10):  # apply moves until none is left: it must stop, and never go back
+            move = choose_move(costs, members, min_gain=0.05)
+            if move is None:
+                break
+            members = [m if m.peer_id != move.peer_id else StageMember(peer_id=m.peer_id, stage=move.to_stage,
+                                                                        flops=m.flops) for m in members]
+            again = choose_move(costs, members, min_gain=0.05)
+            assert again is None or (again.peer_id, again.to_stage) != (move.peer_id, move.from_stage)
+            assert again is None or again.bottleneck_after > move.bottleneck_after
+        else:
+            pytest.fail("moves did not settle within 10 decisions")
+
+
+def test_an_unheld_stage_stops_rebalancing_and_no_stage_is_emptied():
+    costs = [1.0, 1.0, 1.0]
+    assert choose_move(costs, [StageMember(peer_id="a", stage=0, flops=1.0),
+                               StageMember(peer_id="b", stage=0, flops=1.0),
+                               StageMember(peer_id="c", stage=1, flops=1.0)], min_gain=0.0) is None
+    lone = [StageMember(peer_id="a", stage=0, flops=100.0), StageMember(peer_id="b", stage=1, flops=1.0)]
+    assert choose_move([1.0, 1.0], lone, min_gain=0.0) is None
+
+
+@given(st.permutations(range(6)))
+@settings(max_examples=50, deadline=None)
+def test_choose_move_does_not_depend_on_the_order_of_records(order):
+    base = [StageMember(peer_id=f"p{i}", stage=0 if i < 4 else 1, flops=5.0 + i) for i in range(6)]
+    expected = choose_move([1.0, 2.0], base, min_gain=0.1)
+    assert choose_move([1.0, 2.0], [base[i] for i in order], min_gain=0.1) == expected
+
+
+def test_min_gain_must_not_be_negative():
+    with pytest.raises(ValueError):
+        choose_move([1.0], [StageMember(peer_id="a", stage=0, flops=1.0)], min_gain=-0.1)
