@@ -121,7 +121,7 @@ def format_plan(plan: DryRunPlan, spec: RunSpec, *, peer_id: str, flops: float, 
     fit = ("fits" if plan.fits else
            "does NOT fit: raise --max-memory-mb, free memory, or lower --max-in-flight")
     stages = "; ".join(f"stage {k}: {n} peer{'s' * (n != 1)}, {t * tokens:,.0f} tokens/s"
-                       for k, (n, t) in enumerate(zip(plan.peers_per_stage, plan.before)))
+                       for k, (n, t) in enumerate(zip(plan.peers_per_stage, plan.before, strict=True)))
     return "\n".join([
         f"dry run of run {spec.run_id} as {peer_id}: joined, measured, left without taking a stage",
         f"measured   {flops / 1e9:.2f} GFLOP/s on {device}",

@@ -135,7 +135,7 @@ def write_report(logs: list[PeerLog], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / name for name in PLOTS]
-    for path, draw in zip(paths, (_draw_loss, _draw_throughput, _draw_stages)):
+    for path, draw in zip(paths, (_draw_loss, _draw_throughput, _draw_stages), strict=True):
         fig = draw(plt, logs, t0)
         fig.savefig(path, dpi=100)
         plt.close(fig)

@@ -36,7 +36,7 @@ def write_log(path: Path, *, stage: int, num_seconds: int, seed: int, tokens_per
 @pytest.fixture
 def logs(tmp_path) -> list[Path]:
     paths = [tmp_path / f"peer{i}.jsonl" for i in range(3)]
-    for i, (path, stage) in enumerate(zip(paths, (0, 0, 1))):
+    for i, (path, stage) in enumerate(zip(paths, (0, 0, 1), strict=True)):
         write_log(path, stage=stage, num_seconds=60, seed=i, tokens_per_s=1000.0 * (i + 1))
     return paths
 
