@@ -140,6 +140,11 @@ async def query_peer(address: str, timeout: float) -> PeerReport:
                 step = "ping"
                 report.ping_ms = await _ping(host, peer_info.peer_id)
                 step = "status"
+                if STATUS_PROTOCOL not in report.protocols:
+                    raise StatusError(
+                        f"The peer at {address} answers identify and ping ({statistics.median(report.ping_ms):.2f} ms, "
+                        f"{report.agent_version}) but does not serve {STATUS_PROTOCOL}: a bootstrap node does not, "
+                        "and a run_peer.py peer does once it has chosen its stage.", exit_code=1)
                 report.status = await _read_status(host, peer_info.peer_id)
                 await host.close()
     except trio.TooSlowError as e:
@@ -148,6 +153,8 @@ async def query_peer(address: str, timeout: float) -> PeerReport:
     except StatusError:
         raise
     except Exception as e:  # py-libp2p raises many kinds (and groups of them) for a failed dial
+        if (ours := _find_status_error(e)) is not None:  # raised inside the host's nursery: grouped
+            raise ours from None
         if step == "connect":
             raise StatusError(f"Cannot reach a peer at {address}: {_reason(e)}; check the address "
                               "(as the peer prints it) and that the peer is running.") from e
@@ -244,6 +251,16 @@ async def _read_to_end(stream: Any, limit: int) -> bytes:
     if len(data) > limit:
         raise StatusError(f"the peer's identify answer exceeds {limit} bytes", exit_code=1)
     return data
+
+
+def _find_status_error(error: BaseException) -> StatusError | None:
+    """Our own error inside a (nested) exception group, if there is one."""
+    if isinstance(error, StatusError):
+        return error
+    for inner in getattr(error, "exceptions", ()):
+        if (found := _find_status_error(inner)) is not None:
+            return found
+    return None
 
 
 def _reason(error: BaseException) -> str:

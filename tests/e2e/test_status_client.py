@@ -106,6 +106,15 @@ def test_status_client_reads_a_live_peer_and_sees_it_pause_and_resume(local_swar
     assert peer.is_alive() and "Traceback" not in peer.log_path.read_text()
 
 
+def test_a_node_without_the_status_protocol_is_named_as_such(local_swarm):
+    maddrs = local_swarm.start_bootstrap()
+    result = status_client(next(m for m in maddrs if "/ip4/127.0.0.1/" in m))
+    assert result.returncode == 1
+    assert "answers identify and ping" in result.stderr and "does not serve /murmuration/status/1.0.0" in result.stderr
+    assert result.stderr.rstrip().endswith("once it has chosen its stage.") and "failed during" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stdout == ""
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,7 @@ import sys
 
 from dht.wire import MAX_HEADER_BYTES
 from peer import status_client, status_server
-from peer.status_client import PeerReport, _reason, format_report
+from peer.status_client import PeerReport, StatusError, _find_status_error, _reason, format_report
 
 
 def test_client_and_server_agree_on_protocol_and_limit():
@@ -44,3 +44,10 @@ def test_reason_finds_the_root_cause():
             raise RuntimeError("unable to connect") from ExceptionGroup("dial", [e])
     except RuntimeError as outer:
         assert _reason(outer) == "[Errno 111] Connection refused"
+
+
+def test_our_own_error_is_found_inside_nested_groups():
+    ours = StatusError("the peer does not serve it", exit_code=1)
+    grouped = ExceptionGroup("host", [ValueError("x"), ExceptionGroup("nursery", [ours])])
+    assert _find_status_error(grouped) is ours
+    assert _find_status_error(ExceptionGroup("host", [ValueError("x")])) is None
