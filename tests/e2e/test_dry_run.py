@@ -19,9 +19,22 @@ MODEL = ("--num-layers", "2", "--d-model", "64")
 MIB = 2**20
 
 
+def start_peer(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO_ROOT / "run_peer.py"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                             "--join-timeout", "20", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO_ROOT)
+
+
+def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=90)
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 def run_peer(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO_ROOT / "run_peer.py"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                           "--join-timeout", "20", *args], capture_output=True, text=True, timeout=90, cwd=REPO_ROOT)
+    return finish(start_peer(*args))
 
 
 def test_dry_run_reports_stage_memory_and_gain_then_leaves(local_swarm):
@@ -32,7 +45,9 @@ def test_dry_run_reports_stage_memory_and_gain_then_leaves(local_swarm):
     spec = build_run_spec(BootstrapConfig(num_stages=2, num_layers=2, d_model=64))
     needed_mib = stage_memory_bytes(spec, 1, max_in_flight=4) / MIB
 
-    result = run_peer("--bootstrap", *local_swarm.maddrs, "--dry-run")
+    # both visitors at once: neither announces itself, so neither sees the other
+    visitors = [start_peer("--bootstrap", *local_swarm.maddrs, "--dry-run", *extra) for extra in ((), ("--max-memory-mb", "64"))]
+    result, small = [finish(visitor) for visitor in visitors]
     finished = time.time()
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -43,7 +58,6 @@ def test_dry_run_reports_stage_memory_and_gain_then_leaves(local_swarm):
     assert gain and int(gain.group(1).replace(",", "")) > 0 and gain.group(1) == gain.group(2), out
     assert "stage 0: 1 peer," in out and "stage 1: 0 peers" in out
 
-    small = run_peer("--bootstrap", *local_swarm.maddrs, "--dry-run", "--max-memory-mb", "64")
     assert small.returncode == 0, small.stderr
     assert f"needs about {needed_mib:,.0f} MiB; budget 64 MiB (--max-memory-mb): does NOT fit" in small.stdout
 
