@@ -57,6 +57,8 @@ class PeerConfig:
     quiet: bool = field(default=False, metadata=_help("print only warnings and errors (for services): no terminal view, log level WARNING"))
     verbose: bool = field(default=False, metadata=_help("debug logging (log level DEBUG)"))
     pause_file: str | None = field(default=None, metadata=_help("creating this file pauses the peer without leaving the swarm, deleting it resumes (SIGUSR1 toggles pause too)"))
+    rebalance_period: float = field(default=15.0, metadata=_help("seconds between checks whether moving this peer to the bottleneck stage would speed the swarm up (0: never move)"))
+    rebalance_min_gain: float = field(default=0.1, metadata=_help("move only if the pipeline's bottleneck throughput rises by at least this fraction (0.1 = 10%%)"))
 
     def __post_init__(self) -> None:
         check_status_port(self.status_port)
@@ -80,7 +82,7 @@ class PeerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
         if self.heartbeat_ttl <= 2 * self.heartbeat_period:
             raise ValueError("--heartbeat-ttl must exceed two heartbeat periods, or live peers would flicker")
-        for name in ("max_memory_mb", "run_for", "settle_delay"):
+        for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

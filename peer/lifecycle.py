@@ -1,4 +1,10 @@
-"""A peer's life: join → measure → negotiate a stage → obtain its state → train → leave.
+"""A peer's life: join → measure → negotiate a stage → obtain its state → train (→ move) → leave.
+
+While it trains, a peer checks every ``--rebalance-period`` seconds whether moving one peer to the
+bottleneck stage would raise the swarm's throughput by ``--rebalance-min-gain`` or more
+(``planner.stage_choice.choose_move``); every peer computes the same move from the same records,
+and only the peer it names moves: it leaves its stage like a leaving peer, pulls the new stage's
+state from that stage's holders, and trains there. No other peer reloads anything.
 
 The composition root: the only place that wires the DHT, the stage, its server, the router, the
 averager and the trainer together (DESIGN §1 steps 1–4, 6 and 9).
@@ -28,6 +34,7 @@ from peer.profiler import available_memory_bytes, measure_flops, resolve_device,
 from peer.status import SOFTWARE_VERSION, StatusHistory, SyncProgress, local_status, sample_peer
 from peer.status_service import open_peer_status
 from peer.status_server import StatusProtocol
+from planner.stage_choice import StageMember, StageMove, choose_move
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
@@ -189,6 +196,15 @@ class Peer:
                            donor=max(result.report.bytes_by_donor, key=result.report.bytes_by_donor.get))
 
     async def _train(self, stop: asyncio.Event) -> None:
+        """Serve the stage until ``stop`` (or ``--run-for``); move to another stage when told to."""
+        while True:
+            move = await self._serve_stage(stop)
+            if move is None:
+                return
+            await self._move(move)
+
+    async def _serve_stage(self, stop: asyncio.Event) -> StageMove | None:
+        """Start the stage's services and serve until ``stop``; returns a move this peer must make."""
         config, spec, stage = self.config, self.spec, self.stage
         max_payload = int(config.max_payload_mb * MIB)
         router = None
@@ -226,8 +242,55 @@ class Peer:
             self._tasks.append(asyncio.create_task(self.trainer.run(train_stop), name="trainer"))
         if config.pause_file:  # after the trainer exists, so a pause reaches it
             self._tasks.append(asyncio.create_task(self._pause_file_loop(train_stop), name="pause-file"))
+        rebalance = None
+        if config.rebalance_period > 0:
+            rebalance = asyncio.create_task(self._rebalance_loop(), name="rebalance")
+            self._tasks.append(rebalance)
         await self._wait_stop(stop)
         train_stop.set()
+        if rebalance is not None and rebalance.done() and not rebalance.cancelled():
+            return rebalance.result()
+        return None
+
+    async def _rebalance_loop(self) -> StageMove:
+        """Returns once this peer is the one to move (never otherwise; cancelled on leave)."""
+        config, spec = self.config, self.spec
+        costs = [stage_flops_per_sample(spec, k) for k in range(spec.num_stages)]
+        arrived = time.monotonic()
+        while True:
+            await asyncio.sleep(config.rebalance_period)
+            if self.state != "training" or time.monotonic() - arrived < 2 * config.rebalance_period:
+                continue  # settle first: a peer that just arrived must not be moved on stale rates
+            records = self.view.records
+            if any(r.state == "joining" for r in records):
+                continue  # joiners are filling deficits themselves; decide once they have
+            members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops)
+                       for k in range(spec.num_stages) for r in self.view.members(k, states=("training", "syncing"))]
+            move = choose_move(costs, members, min_gain=config.rebalance_min_gain)
+            if move is None or move.peer_id != self.peer_id:
+                continue
+            try:
+                self._check_memory(move.to_stage, self.stage.device)
+            except UserError as e:
+                logger.info(f"not moving to stage {move.to_stage}: {e}")
+                continue
+            return move
+
+    async def _move(self, move: StageMove) -> None:
+        """Leave the current stage as a leaving peer would, then obtain and join ``move.to_stage``."""
+        logger.info(f"moving from stage {move.from_stage} to stage {move.to_stage}: the swarm's bottleneck "
+                    f"throughput rises {move.gain:.0%} ({move.bottleneck_before:.1f} -> {move.bottleneck_after:.1f} samples/s)")
+        self.metrics.write("moving", from_stage=move.from_stage, to_stage=move.to_stage, gain=move.gain,
+                           bottleneck_before=move.bottleneck_before, bottleneck_after=move.bottleneck_after)
+        device = self.stage.device
+        self.state = "leaving"
+        await self._release_stage(announce=True)
+        self.announced_at = dht_time()  # a newer record: peers that saw the leave notice see it again
+        self.stage = Stage(self.spec, move.to_stage, device=device)
+        self.state = "syncing"
+        await self._heartbeat_once()
+        await self._obtain_state()
+        self.metrics.write("moved", stage=move.to_stage, step=self.stage.version)
 
     def _load_corpus(self) -> bytes:
         try:
@@ -249,9 +312,23 @@ class Peer:
 
     async def _leave(self) -> None:
         """Announce the leave, let in-flight microbatches finish, then release everything."""
-        if self.stage is not None and self.dht is not None:
+        announce = self.stage is not None and self.dht is not None
+        if announce:
             self.state = "leaving"
             logger.info("leaving")
+        await self._release_stage(announce=announce)
+        if self.status_protocol is not None:
+            await self.status_protocol.shutdown()
+        if self.view is not None:
+            await self.view.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+        self.metrics.close()
+
+    async def _release_stage(self, *, announce: bool) -> None:
+        """Stop serving the current stage: tell the neighbours, let in-flight microbatches finish,
+        then shut the stage's services down (the DHT, the view and the status stay)."""
+        if announce:
             if self.server is not None:
                 self.server.stop_accepting()  # upstream peers re-send to another replica from now on
             if self.notices is not None:
@@ -270,7 +347,7 @@ class Peer:
             await asyncio.wait(self._tasks, timeout=LEAVE_TIMEOUT)  # the trainer finishes its in-flight work
             for task in self._tasks:
                 task.cancel()
-        for service in (self.replication, self.notices, self.status_protocol):
+        for service in (self.replication, self.notices):
             if service is not None:
                 await service.shutdown()
         if self.server is not None:
@@ -278,11 +355,7 @@ class Peer:
         for closer in (self.averager and self.averager.shutdown, self.stage and self.stage.shutdown):
             if closer:
                 closer()
-        if self.view is not None:
-            await self.view.shutdown()
-        if self.dht is not None:
-            self.dht.shutdown()
-        self.metrics.close()
+        self._tasks, self.trainer, self.server, self.replication, self.notices, self.averager = [], None, None, None, None, None
 
     def _record(self, stage: int | None = None) -> PeerRecord:
         counters = self.stage.counters if self.stage else None

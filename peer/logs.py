@@ -19,6 +19,21 @@ class _PrefixFilter(logging.Filter):
         return True
 
 
+class _AveragerRaceFilter(logging.Filter):
+    """hivemind 1.1.12's ``DecentralizedAverager._step`` sets the result of a step its caller has
+    cancelled (a round given up when a peer leaves its stage or the swarm), and asyncio reports
+    the resulting ``InvalidStateError`` as an error. It is harmless: the round was abandoned on
+    purpose. Shown only at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "asyncio" or not record.exc_info or record.exc_info[1] is None:
+            return True
+        error = record.exc_info[1]
+        harmless = type(error).__name__ == "InvalidStateError" and "CANCELLED" in str(error) and (
+            "DecentralizedAverager._step" in record.getMessage())
+        return not harmless or logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
 def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> None:
     """Send our logs to stderr as ``time L [peer 3fa9c1 stage 1 step 40] message``.
 
@@ -28,6 +43,7 @@ def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> Non
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
     handler.addFilter(_PrefixFilter(prefix))
+    handler.addFilter(_AveragerRaceFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
