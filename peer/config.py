@@ -57,6 +57,8 @@ class PeerConfig:
     quiet: bool = field(default=False, metadata=_help("print only warnings and errors (for services): no terminal view, log level WARNING"))
     verbose: bool = field(default=False, metadata=_help("debug logging (log level DEBUG)"))
     pause_file: str | None = field(default=None, metadata=_help("creating this file pauses the peer without leaving the swarm, deleting it resumes (SIGUSR1 toggles pause too)"))
+    checkpoint_dir: str | None = field(default=None, metadata=_help("write this peer's stage to <dir>/<run>-stage<k>.safetensors every --checkpoint-period seconds and on leave; the first peer of a stage with no live holder resumes from it"))
+    checkpoint_period: float = field(default=300.0, metadata=_help("seconds between checkpoints when --checkpoint-dir is given"))
     rebalance_period: float = field(default=15.0, metadata=_help("seconds between checks whether moving this peer to the bottleneck stage would speed the swarm up (0: never move)"))
     rebalance_min_gain: float = field(default=0.1, metadata=_help("move only if the pipeline's bottleneck throughput rises by at least this fraction (0.1 = 10%%)"))
 
@@ -77,7 +79,8 @@ class PeerConfig:
             raise ValueError("--stage must be -1 (negotiate) or a stage index")
         if self.num_threads < 0 or self.max_in_flight < 1:
             raise ValueError("--num-threads must be >= 0 and --max-in-flight >= 1")
-        for name in ("join_timeout", "heartbeat_period", "heartbeat_ttl", "request_timeout", "max_payload_mb", "status_period"):
+        for name in ("join_timeout", "heartbeat_period", "heartbeat_ttl", "request_timeout", "max_payload_mb", "status_period",
+                     "checkpoint_period"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
         if self.heartbeat_ttl <= 2 * self.heartbeat_period:

@@ -26,6 +26,7 @@ from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import PeerRecord, RunSpec
 from dht.wire import TRAFFIC
 from dht.registry import declare_peer, dht_time
+from peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state
@@ -81,6 +82,7 @@ class Peer:
         self.history: StatusHistory | None = None  # recent counters, sampled once a second while training
         self.traffic = TRAFFIC
         self.sync_progress: SyncProgress | None = None
+        self._stage_trained = False  # the current stage has its state and served: it may be checkpointed
 
     def log_prefix(self) -> str:
         stage = f" stage {self.stage.index} step {self.stage.version}" if self.stage else ""
@@ -183,7 +185,8 @@ class Peer:
         await self.view.refresh()
         holders = [r for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id]
         if not holders:
-            logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
+            if not await self._resume_from_checkpoint():
+                logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
             return
         model = self.stage.model  # the state: its tensors plus AdamW's two moments per parameter
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 * sum(
@@ -194,6 +197,41 @@ class Peer:
         self.metrics.write("state_download", version=result.version, seconds=result.report.seconds,
                            bytes_by_donor=result.report.bytes_by_donor, failed_donors=result.report.failed_donors,
                            donor=max(result.report.bytes_by_donor, key=result.report.bytes_by_donor.get))
+
+    async def _resume_from_checkpoint(self) -> bool:
+        """The first peer of a stage loads ``--checkpoint-dir``'s checkpoint of it, if there is one."""
+        if not self.config.checkpoint_dir:
+            return False
+        path = checkpoint_path(self.config.checkpoint_dir, self.spec.run_id, self.stage.index)
+        try:
+            version, state = await asyncio.to_thread(load_checkpoint, path, spec=self.spec, stage=self.stage.index)
+        except FileNotFoundError:
+            return False
+        except CheckpointError as e:
+            raise UserError(f"{e}.") from e
+        await self.stage.run(self.stage.load_state_tensors, state)
+        logger.info(f"first peer of stage {self.stage.index}: resumed from {path} (step {version})")
+        self.metrics.write("checkpoint_loaded", stage=self.stage.index, version=version, path=str(path))
+        return True
+
+    async def _write_checkpoint(self) -> None:
+        """This stage's state to ``--checkpoint-dir``, atomically (a crash keeps the previous one)."""
+        started, stage = time.monotonic(), self.stage
+        state = await stage.run(stage.state_tensors)
+        path = checkpoint_path(self.config.checkpoint_dir, self.spec.run_id, stage.index)
+        await asyncio.to_thread(save_checkpoint, path, state, spec=self.spec, stage=stage.index, version=stage.version)
+        seconds = time.monotonic() - started
+        logger.info(f"checkpoint of stage {stage.index} step {stage.version} written to {path} in {seconds:.2f} s")
+        self.metrics.write("checkpoint", stage=stage.index, version=stage.version, seconds=seconds,
+                           bytes=path.stat().st_size, path=str(path))
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.checkpoint_period)
+            try:
+                await self._write_checkpoint()
+            except OSError as e:  # a full or read-only disk must not stop training
+                logger.warning(f"could not write a checkpoint: {e}")
 
     async def _train(self, stop: asyncio.Event) -> None:
         """Serve the stage until ``stop`` (or ``--run-for``); move to another stage when told to."""
@@ -227,6 +265,7 @@ class Peer:
                                       on_round=self._on_round)
         self.view.start()
         self.state = "training"
+        self._stage_trained = True
         await self._heartbeat_once()
         logger.info("training")
         train_stop = asyncio.Event()
@@ -242,6 +281,8 @@ class Peer:
             self._tasks.append(asyncio.create_task(self.trainer.run(train_stop), name="trainer"))
         if config.pause_file:  # after the trainer exists, so a pause reaches it
             self._tasks.append(asyncio.create_task(self._pause_file_loop(train_stop), name="pause-file"))
+        if config.checkpoint_dir:
+            self._tasks.append(asyncio.create_task(self._checkpoint_loop(), name="checkpoint"))
         rebalance = None
         if config.rebalance_period > 0:
             rebalance = asyncio.create_task(self._rebalance_loop(), name="rebalance")
@@ -286,7 +327,7 @@ class Peer:
         self.state = "leaving"
         await self._release_stage(announce=True)
         self.announced_at = dht_time()  # a newer record: peers that saw the leave notice see it again
-        self.stage = Stage(self.spec, move.to_stage, device=device)
+        self.stage, self._stage_trained = Stage(self.spec, move.to_stage, device=device), False
         self.state = "syncing"
         await self._heartbeat_once()
         await self._obtain_state()
@@ -347,6 +388,11 @@ class Peer:
             await asyncio.wait(self._tasks, timeout=LEAVE_TIMEOUT)  # the trainer finishes its in-flight work
             for task in self._tasks:
                 task.cancel()
+        if self.config.checkpoint_dir and self.stage is not None and self._stage_trained:
+            try:  # the in-flight work is done: the state is whole (a stage still syncing is not written)
+                await self._write_checkpoint()
+            except Exception as e:
+                logger.warning(f"could not write the last checkpoint: {e!r}")
         for service in (self.replication, self.notices):
             if service is not None:
                 await service.shutdown()

@@ -1,0 +1,84 @@
+"""Stage checkpoints: round trip through a real stage, refusals, and atomic replacement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dht.records import RunSpec
+from peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from swarm.stage import Stage
+
+SPEC = RunSpec(run_id="ckpt")
+
+
+def trained_stage(index: int) -> Stage:
+    stage = Stage(SPEC, index, device=torch.device("cpu"))
+    with torch.no_grad():
+        for param in stage.model.parameters():
+            param.add_(0.25)  # not the seed's init
+    stage.counters.num_steps = 17
+    return stage
+
+
+def test_a_stage_round_trips_bit_identical(tmp_path):
+    stage = trained_stage(1)
+    path = checkpoint_path(tmp_path, SPEC.run_id, 1)
+    save_checkpoint(path, stage.state_tensors(), spec=SPEC, stage=1, version=stage.version)
+    version, state = load_checkpoint(path, spec=SPEC, stage=1)
+    assert version == 17
+    fresh = Stage(SPEC, 1, device=torch.device("cpu"))
+    fresh.load_state_tensors(state)
+    assert fresh.version == 17
+    for (name, a), (_, b) in zip(stage.model.state_dict().items(), fresh.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert not list(tmp_path.glob(".*tmp"))  # no temporary file left behind
+    stage.shutdown()
+    fresh.shutdown()
+
+
+@pytest.mark.parametrize("what", ["run", "stage", "model"])
+def test_a_checkpoint_of_something_else_is_refused_with_what_to_do(tmp_path, what):
+    stage = trained_stage(0)
+    path = checkpoint_path(tmp_path, SPEC.run_id, 0)
+    save_checkpoint(path, stage.state_tensors(), spec=SPEC, stage=0, version=3)
+    other = {"run": dataclasses.replace(SPEC, run_id="other"), "stage": SPEC,
+             "model": dataclasses.replace(SPEC, stage_layers=((0, 1), (1, 4)))}[what]
+    with pytest.raises(CheckpointError, match="--checkpoint-dir"):
+        load_checkpoint(path, spec=other, stage=1 if what == "stage" else 0)
+    stage.shutdown()
+
+
+def test_the_learning_rate_may_change_between_stop_and_resume(tmp_path):
+    stage = trained_stage(0)
+    path = checkpoint_path(tmp_path, SPEC.run_id, 0)
+    save_checkpoint(path, stage.state_tensors(), spec=SPEC, stage=0, version=3)
+    assert load_checkpoint(path, spec=dataclasses.replace(SPEC, lr=SPEC.lr / 10), stage=0)[0] == 3
+    stage.shutdown()
+
+
+def test_garbage_is_refused_and_a_missing_file_is_not_an_error(tmp_path):
+    path = checkpoint_path(tmp_path, SPEC.run_id, 0)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(path, spec=SPEC, stage=0)
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path, spec=SPEC, stage=0)
+    path.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="not a safetensors"):
+        load_checkpoint(path, spec=SPEC, stage=0)
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path):
+    stage = trained_stage(0)
+    path = checkpoint_path(tmp_path, SPEC.run_id, 0)
+    save_checkpoint(path, stage.state_tensors(), spec=SPEC, stage=0, version=5)
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        save_checkpoint(path, {"bad": "not a tensor"}, spec=SPEC, stage=0, version=6)  # type: ignore[dict-item]
+    assert path.read_bytes() == before
+    assert load_checkpoint(path, spec=SPEC, stage=0)[0] == 5
+    assert not list(tmp_path.glob(".*tmp"))
+    stage.shutdown()
