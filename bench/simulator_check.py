@@ -23,8 +23,16 @@ peer ``--num-threads 1``) it:
    routed whole to one peer per stage, ``max_in_flight`` per stage-0 peer, FIFO compute, the last
    stage's forward and backward as one task, no drain at steps, steady state after one step.
 
+4. calibration: the simulator counts compute (the FLOP cost model) but a real peer also spends CPU
+   on every message to or from another stage (msgpack and tensor bytes, the p2p daemon, Python
+   handlers, bookkeeping). That cost per message, in FLOP-equivalents
+   (``SimulationConfig.message_overhead_flops``), is set once from the ``--calibrate-on``
+   configuration (default 1 + 1: the value at which the simulator reproduces that run) and then
+   used unchanged for the other configurations, which validate it. Each line also gives the
+   prediction without the overhead.
+
 Prints one JSON line per configuration:
-``{"bench": "simulator_check", "config", "measured_samples_per_s", "predicted_samples_per_s", "error", ...}``
+``{"bench": "simulator_check", "config", "role", "measured_samples_per_s", "predicted_samples_per_s", "error", ...}``
 with ``error = (predicted - measured) / measured``.
 """
 
@@ -63,7 +71,8 @@ def measure_swarm(num_peers: int, seconds: float, workdir: Path) -> dict:
 
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap("--num-stages", "2")
-        peers = [swarm.start_peer("--num-threads", "1") for _ in range(num_peers)]
+        # --rebalance-period 0: the stage map the simulator is given must not change during the run
+        peers = [swarm.start_peer("--num-threads", "1", "--rebalance-period", "0") for _ in range(num_peers)]
         try:
             wait_for(lambda: all(p.events("status") for p in peers), 180, "every peer to train")
         except TimeoutError:
@@ -150,7 +159,7 @@ def build_profile(num_stage0_peers: int) -> ModelProfile:
     )
 
 
-def predict(stages: dict[str, int], flops: list[float], *, num_steps: int) -> float:
+def predict(stages: dict[str, int], flops: list[float], *, num_steps: int, overhead_flops: float = 0.0) -> float:
     """Simulated samples/s of the negotiated assignment on a loopback snapshot."""
     peer_ids = sorted(stages)
     num_stage0 = sum(1 for p in peer_ids if stages[p] == 0)
@@ -162,21 +171,42 @@ def predict(stages: dict[str, int], flops: list[float], *, num_steps: int) -> fl
         Stage(layer_start=0, layer_end=2, server_ids=tuple(p for p in peer_ids if stages[p] == 0)),
         Stage(layer_start=2, layer_end=4, server_ids=tuple(p for p in peer_ids if stages[p] == 1)),
     ))
-    config = SimulationConfig.murmuration(num_steps=num_steps, max_inflight_per_peer=MAX_IN_FLIGHT)
+    config = SimulationConfig.murmuration(num_steps=num_steps, max_inflight_per_peer=MAX_IN_FLIGHT,
+                                          message_overhead_flops=overhead_flops)
     return simulate_plan(snapshot, plan, config, rng=np.random.default_rng(0)).throughput
+
+
+def calibrate(run: dict, *, num_steps: int) -> float:
+    """The per-message overhead (FLOP-equivalents) at which the simulator reproduces ``run``."""
+    low, high = 0.0, 1e11
+    if predict(run["stages"], run["flops"], num_steps=num_steps) <= run["measured"]:
+        return 0.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        if predict(run["stages"], run["flops"], num_steps=num_steps, overhead_flops=mid) > run["measured"]:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="measured seconds per configuration")
     parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations")
+    parser.add_argument("--calibrate-on", default="2x1",
+                        help="configuration whose run sets the per-message overhead; the others validate it")
     parser.add_argument("--flops-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.flops_worker:
         flops_worker()
         return
+    names = args.only.split(",")
+    if args.calibrate_on not in names:
+        names.insert(0, args.calibrate_on)
+    runs = {}
     with tempfile.TemporaryDirectory(prefix="simulator-check-") as tmp:
-        for name in args.only.split(","):
+        for name in names:
             num_peers = CONFIGS[name]
             # Other work on this machine comes and goes, so compute is measured in bursts right
             # before and right after the swarm; per rank, the median burst.
@@ -187,20 +217,29 @@ def main() -> None:
                 after = [workers.burst() for _ in range(NUM_BURSTS)]
             finally:
                 workers.shutdown()
-            flops = [statistics.median(column) for column in zip(*before, *after)]
             # Devices are identical cores; give the peers the concurrent figures in a fixed order.
-            predicted = predict(real["stages"], flops, num_steps=12)
-            measured = real["samples_per_s"]
-            per_stage = [sum(1 for s in real["stages"].values() if s == k) for k in (0, 1)]
-            print(json.dumps({
-                "bench": "simulator_check", "config": f"{num_peers} peers, per stage {per_stage}",
-                "measured_samples_per_s": round(measured, 2), "predicted_samples_per_s": round(predicted, 2),
-                "error": round((predicted - measured) / measured, 3),
-                "concurrent_gflops_used": [round(f / 1e9, 2) for f in flops],
-                "concurrent_gflops_bursts": [[round(f / 1e9, 1) for f in b] for b in before + after],
-                "joined_gflops": [round(f / 1e9, 2) for f in real["joined_flops"].values()],
-                "seconds": args.seconds,
-            }), flush=True)
+            runs[name] = {"stages": real["stages"], "measured": real["samples_per_s"],
+                          "flops": [statistics.median(column) for column in zip(*before, *after)],
+                          "bursts": before + after, "joined": real["joined_flops"], "num_peers": num_peers}
+    overhead = calibrate(runs[args.calibrate_on], num_steps=12)
+    for name, run in runs.items():
+        predicted = predict(run["stages"], run["flops"], num_steps=12, overhead_flops=overhead)
+        uncalibrated = predict(run["stages"], run["flops"], num_steps=12)
+        measured = run["measured"]
+        per_stage = [sum(1 for s in run["stages"].values() if s == k) for k in (0, 1)]
+        print(json.dumps({
+            "bench": "simulator_check", "config": f"{run['num_peers']} peers, per stage {per_stage}",
+            "role": "calibration" if name == args.calibrate_on else "validation",
+            "measured_samples_per_s": round(measured, 2), "predicted_samples_per_s": round(predicted, 2),
+            "error": round((predicted - measured) / measured, 3),
+            "predicted_without_overhead": round(uncalibrated, 2),
+            "error_without_overhead": round((uncalibrated - measured) / measured, 3),
+            "message_overhead_gflop": round(overhead / 1e9, 4),
+            "concurrent_gflops_used": [round(f / 1e9, 2) for f in run["flops"]],
+            "concurrent_gflops_bursts": [[round(f / 1e9, 1) for f in b] for b in run["bursts"]],
+            "joined_gflops": [round(f / 1e9, 2) for f in run["joined"].values()],
+            "seconds": args.seconds,
+        }), flush=True)
 
 
 if __name__ == "__main__":

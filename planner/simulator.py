@@ -70,6 +70,11 @@ class SimulationConfig:
         is_fused_last_stage: the last stage's forward and backward are one task.
         is_draining: the pipeline drains at every step; False for delayed updates (no drain,
             first step a warm-up, needs ``num_steps >= 2`` and no churn).
+        message_overhead_flops: device work per message a task receives from or sends to another
+            stage (deserialisation, the transport's CPU, bookkeeping), in FLOP-equivalents, so that
+            it takes ``message_overhead_flops / flops`` seconds of the device like compute does; a
+            task of a middle stage has two such messages, the first stage's forward one (it sends),
+            the last stage's fused task two. 0: messages cost no device time.
     """
 
     num_steps: int = 3
@@ -82,23 +87,25 @@ class SimulationConfig:
     is_fifo: bool = False
     is_fused_last_stage: bool = False
     is_draining: bool = True
+    message_overhead_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_steps < 1 or self.max_inflight < 0:
             raise ValueError("num_steps must be >= 1 and max_inflight >= 0")
         if not 0.0 <= self.disconnect_probability <= 1.0:
             raise ValueError("disconnect_probability must lie in [0, 1]")
-        if self.failure_detect_delay < 0:
-            raise ValueError("failure_detect_delay must be >= 0")
+        if self.failure_detect_delay < 0 or self.message_overhead_flops < 0:
+            raise ValueError("failure_detect_delay and message_overhead_flops must be >= 0")
         if not self.is_draining and (self.num_steps < 2 or self.disconnect_probability > 0):
             raise ValueError("is_draining=False needs num_steps >= 2 and no churn")
 
     @classmethod
-    def murmuration(cls, *, num_steps: int, max_inflight_per_peer: int = 4) -> SimulationConfig:
+    def murmuration(cls, *, num_steps: int, max_inflight_per_peer: int = 4,
+                    message_overhead_flops: float = 0.0) -> SimulationConfig:
         """Murmuration's runtime: whole micro-batches, FIFO compute, fused last stage, no drain."""
         return cls(
             num_steps=num_steps, max_inflight=max_inflight_per_peer, is_whole_microbatch=True, is_fifo=True,
-            is_fused_last_stage=True, is_draining=False,
+            is_fused_last_stage=True, is_draining=False, message_overhead_flops=message_overhead_flops,
         )
 
 
@@ -245,7 +252,17 @@ class _StepRun:
         position = int(np.flatnonzero(stage.members == device)[0])
         per_sample = stage.flops_per_sample * self.work_fraction(k, direction) / self.flops[device]
         per_sample += stage.boundary_bytes * stage.client_per_byte[position]
-        return 2.0 * stage.client_latency[position] + samples * per_sample
+        overhead = self.config.message_overhead_flops * self.num_messages(k, direction) / self.flops[device]
+        return 2.0 * stage.client_latency[position] + samples * per_sample + overhead
+
+    def num_messages(self, k: int, direction: int) -> int:
+        """Messages a task of stage ``k`` exchanges with other stages: what it receives, what it sends."""
+        last = len(self.stages) - 1
+        if self.config.is_fused_last_stage and k == last:
+            return 0 if direction == 1 else 2 * (k > 0)  # receives the input, sends its gradient back
+        if direction == 0:
+            return int(k > 0) + int(k < last)
+        return int(k < last) + int(k > 0)
 
     def work_fraction(self, k: int, direction: int) -> float:
         if self.config.is_fused_last_stage and k == len(self.stages) - 1:

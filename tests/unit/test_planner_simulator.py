@@ -144,3 +144,19 @@ def test_whole_microbatch_churn_task_pool_wastes_less_than_restart() -> None:
     assert restarted.num_restarts > 0
     assert pooled.throughput < calm.throughput
     assert restarted.wasted_seconds > pooled.wasted_seconds
+
+
+def test_message_overhead_takes_device_time_like_compute() -> None:
+    # Stage 1 (fused) receives the input and sends its gradient: 2 messages x 300 FLOPs / 100 FLOP/s
+    # = 6 s on top of its 12 s; stage 0 has one message per task, 2 x 3 s on top of its 12 s.
+    config = SimulationConfig.murmuration(num_steps=8, max_inflight_per_peer=4, message_overhead_flops=300.0)
+    result = simulate_plan(_equal_snapshot(2), _two_stage_plan(("d0",), ("d1",)), config, rng=np.random.default_rng(0))
+    assert result.throughput == pytest.approx(2 / 18.0, rel=0.01)
+    serial = simulate_plan(_equal_snapshot(2), _two_stage_plan(("d0",), ("d1",)),
+                           replace(config, max_inflight=1), rng=np.random.default_rng(0))
+    assert serial.throughput == pytest.approx(2 / (24.0 + 3 + 6 + 3), rel=0.01)  # 4+3, 12+6, 8+3
+
+
+def test_message_overhead_must_not_be_negative() -> None:
+    with pytest.raises(ValueError):
+        SimulationConfig(message_overhead_flops=-1.0)
