@@ -52,6 +52,53 @@ class Traffic:
 # transfer, notices). Several peers in one test process share it.
 TRAFFIC = Traffic()
 
+UPLOAD_CHUNK_BYTES = 256 * 1024  # tensor bytes are metered and written in pieces of this size
+
+
+class UploadLimit:
+    """A token bucket on the bytes our messages write: ``rate`` bytes/s on average, bursts up to
+    ``burst`` bytes. Off (no waiting) while ``rate`` is 0. Covers the pipeline, state shards and
+    notices; hivemind's DHT and averaging traffic is not ours to meter.
+    """
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self.burst = 0.0
+        self._tokens = 0.0
+        self._stamp = 0.0
+        self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def configure(self, rate_bytes_per_s: float, *, burst_seconds: float = 0.25) -> None:
+        """Cap uploads at ``rate_bytes_per_s`` (0: no cap); bursts of ``burst_seconds`` of it."""
+        if not (math.isfinite(rate_bytes_per_s) and rate_bytes_per_s >= 0):
+            raise ValueError(f"upload rate must be a number >= 0, got {rate_bytes_per_s!r}")
+        self.rate = float(rate_bytes_per_s)
+        self.burst = max(self.rate * burst_seconds, float(UPLOAD_CHUNK_BYTES))
+        self._tokens, self._stamp = self.burst, 0.0
+
+    async def acquire(self, nbytes: int) -> None:
+        """Waits until ``nbytes`` may be sent (at once when off). Callers take turns, so one large
+        reply cannot starve the others for longer than its own share."""
+        if self.rate <= 0 or nbytes <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._loop is not loop:  # a lock belongs to one event loop
+            self._lock, self._loop = asyncio.Lock(), loop
+        async with self._lock:
+            now = loop.time()
+            if self._stamp:
+                self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._tokens -= nbytes
+            if self._tokens < 0:
+                await asyncio.sleep(-self._tokens / self.rate)
+                self._tokens, self._stamp = 0.0, loop.time()  # the debt is paid; no credit for the wait
+
+
+# Process-wide, like TRAFFIC: the peer's --max-upload-mbps.
+UPLOAD_LIMIT = UploadLimit()
+
 
 def encode_header(header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
     described = dict(header)
@@ -71,10 +118,20 @@ async def write_message(
         if t.dtype not in DTYPE_NAMES:
             raise ProtocolError(f"dtype {t.dtype} cannot be sent")
     encoded = encode_header(header, tensors)
+    await UPLOAD_LIMIT.acquire(len(encoded))
     writer.write(encoded)
     for t in tensors:
-        if t.numel():
-            writer.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        if not t.numel():
+            continue
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        if UPLOAD_LIMIT.rate <= 0:
+            writer.write(data)
+            continue
+        for start in range(0, len(data), UPLOAD_CHUNK_BYTES):
+            chunk = data[start : start + UPLOAD_CHUNK_BYTES]
+            await UPLOAD_LIMIT.acquire(len(chunk))
+            writer.write(chunk)
+            await writer.drain()
     TRAFFIC.bytes_sent += len(encoded) + sum(t.numel() * t.element_size() for t in tensors)
     await writer.drain()
 

@@ -57,6 +57,7 @@ class PeerConfig:
     quiet: bool = field(default=False, metadata=_help("print only warnings and errors (for services): no terminal view, log level WARNING"))
     verbose: bool = field(default=False, metadata=_help("debug logging (log level DEBUG)"))
     pause_file: str | None = field(default=None, metadata=_help("creating this file pauses the peer without leaving the swarm, deleting it resumes (SIGUSR1 toggles pause too)"))
+    max_upload_mbps: float = field(default=0.0, metadata=_help("cap on what this peer uploads (activations, gradients, state shards), Mbit/s (0: no cap); hivemind's DHT and averaging traffic is not counted"))
     checkpoint_dir: str | None = field(default=None, metadata=_help("write this peer's stage to <dir>/<run>-stage<k>.safetensors every --checkpoint-period seconds and on leave; the first peer of a stage with no live holder resumes from it"))
     checkpoint_period: float = field(default=300.0, metadata=_help("seconds between checkpoints when --checkpoint-dir is given"))
     rebalance_period: float = field(default=15.0, metadata=_help("seconds between checks whether moving this peer to the bottleneck stage would speed the swarm up (0: never move)"))
@@ -85,7 +86,7 @@ class PeerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
         if self.heartbeat_ttl <= 2 * self.heartbeat_period:
             raise ValueError("--heartbeat-ttl must exceed two heartbeat periods, or live peers would flicker")
-        for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain"):
+        for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain", "max_upload_mbps"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -24,7 +24,7 @@ import torch
 
 from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import PeerRecord, RunSpec
-from dht.wire import TRAFFIC
+from dht.wire import TRAFFIC, UPLOAD_LIMIT
 from dht.registry import declare_peer, dht_time
 from peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from peer.config import PeerConfig
@@ -103,6 +103,7 @@ class Peer:
 
     async def _join(self) -> None:
         config = self.config
+        UPLOAD_LIMIT.configure(config.max_upload_mbps * 1e6 / 8)
         try:
             node_config = DHTNodeConfig(initial_peers=config.bootstrap, host_maddrs=config.host_maddrs,
                                         announce_maddrs=config.announce_maddrs, identity_path=config.identity_path,
