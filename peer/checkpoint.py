@@ -1,6 +1,7 @@
 """Stage checkpoints on disk, so that a whole swarm can stop and resume (DESIGN §1 step 9).
 
-One safetensors file per run and stage, ``<dir>/<run_id>-stage<k>.safetensors``, holding what a
+One safetensors file (written here in chunks, read back by the safetensors library, which checks
+it) per run and stage, ``<dir>/<run_id>-stage<k>.safetensors``, holding what a
 joiner would download (``Stage.state_tensors``: parameters, AdamW state, step counters, the stage's
 identity). It is written to a temporary file in the same folder, flushed to disk and renamed over
 the old one, so a crash mid-write leaves the previous checkpoint whole. The header records the run,
@@ -14,17 +15,45 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dht.records import RunSpec
 
-__all__ = ["CheckpointError", "checkpoint_path", "load_checkpoint", "save_checkpoint", "spec_digest"]
+__all__ = ["CheckpointError", "WriteProgress", "checkpoint_path", "load_checkpoint", "save_checkpoint", "spec_digest"]
 
 FORMAT = "murmuration-stage-checkpoint/1"
+WRITE_CHUNK_BYTES = 4 * 2**20
+# torch dtype -> safetensors dtype name (https://github.com/huggingface/safetensors, "Format")
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class WriteProgress:
+    """How far a checkpoint write got (the terminal view's progress bar); updated from the writing
+    thread, read from the event loop."""
+
+    def __init__(self) -> None:
+        self.total_bytes = 0
+        self.done_bytes = 0
+        self.started_at = time.time()
+        self.finished = False
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        """``{"done_bytes", "total_bytes", "started_at", "eta_s", "finished"}``; eta_s None until bytes are written."""
+        now = time.time() if now is None else now
+        done, elapsed = self.done_bytes, now - self.started_at
+        eta = (self.total_bytes - done) * elapsed / done if done > 0 and elapsed > 0 else None
+        return {"done_bytes": done, "total_bytes": self.total_bytes, "started_at": round(self.started_at, 3),
+                "eta_s": round(eta, 1) if eta is not None else None, "finished": self.finished}
 
 
 class CheckpointError(ValueError):
@@ -44,21 +73,53 @@ def checkpoint_path(directory: str | os.PathLike[str], run_id: str, stage: int) 
     return Path(directory) / f"{run_id}-stage{stage}.safetensors"
 
 
-def save_checkpoint(path: Path, state: dict[str, torch.Tensor], *, spec: RunSpec, stage: int, version: int) -> None:
-    """Writes ``state`` to ``path`` atomically (temporary file, fsync, rename)."""
+def save_checkpoint(path: Path, state: dict[str, torch.Tensor], *, spec: RunSpec, stage: int, version: int,
+                    progress: WriteProgress | None = None) -> None:
+    """Writes ``state`` to ``path`` atomically (temporary file, fsync, rename), in the safetensors
+    format, ``WRITE_CHUNK_BYTES`` at a time so that ``progress`` can follow it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": FORMAT, "run_id": spec.run_id, "stage": str(stage), "version": str(version),
                 "spec_digest": spec_digest(spec)}
+    header, tensors = _safetensors_header(state, metadata)
+    progress = progress or WriteProgress()
+    progress.total_bytes = len(header) + sum(t.numel() * t.element_size() for t in tensors)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
-        save_file({name: tensor.contiguous() for name, tensor in state.items()}, temp_name, metadata=metadata)
-        with open(temp_name, "rb") as file:
+        with os.fdopen(fd, "wb") as file:
+            file.write(header)
+            progress.done_bytes = len(header)
+            for tensor in tensors:
+                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
+                for start in range(0, len(data), WRITE_CHUNK_BYTES):
+                    chunk = data[start : start + WRITE_CHUNK_BYTES]
+                    file.write(chunk)
+                    progress.done_bytes += len(chunk)
+            file.flush()
             os.fsync(file.fileno())
         os.replace(temp_name, path)
+        progress.finished = True
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
         raise
+
+
+def _safetensors_header(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[torch.Tensor]]:
+    """The 8-byte length and JSON header of a safetensors file, and the tensors in file order."""
+    entries: dict[str, Any] = {"__metadata__": metadata}
+    tensors, offset = [], 0
+    for name in sorted(state):
+        tensor = state[name]
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"checkpoint entry {name!r} is not a tensor of a supported dtype")
+        tensor = tensor.detach().cpu().contiguous()
+        size = tensor.numel() * tensor.element_size()
+        entries[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                         "data_offsets": [offset, offset + size]}
+        tensors.append(tensor)
+        offset += size
+    encoded = json.dumps(entries, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    return len(encoded).to_bytes(8, "little") + encoded, tensors
 
 
 def load_checkpoint(path: Path, *, spec: RunSpec, stage: int) -> tuple[int, dict[str, torch.Tensor]]:

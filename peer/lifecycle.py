@@ -26,7 +26,7 @@ from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import PeerRecord, RunSpec
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
 from dht.registry import declare_peer, dht_time
-from peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from peer.checkpoint import CheckpointError, WriteProgress, checkpoint_path, load_checkpoint, save_checkpoint
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state
@@ -82,6 +82,7 @@ class Peer:
         self.history: StatusHistory | None = None  # recent counters, sampled once a second while training
         self.traffic = TRAFFIC
         self.sync_progress: SyncProgress | None = None
+        self.checkpoint_progress: WriteProgress | None = None  # the last (or current) checkpoint write
         self._stage_trained = False  # the current stage has its state and served: it may be checkpointed
 
     def log_prefix(self) -> str:
@@ -220,7 +221,9 @@ class Peer:
         started, stage = time.monotonic(), self.stage
         state = await stage.run(stage.state_tensors)
         path = checkpoint_path(self.config.checkpoint_dir, self.spec.run_id, stage.index)
-        await asyncio.to_thread(save_checkpoint, path, state, spec=self.spec, stage=stage.index, version=stage.version)
+        self.checkpoint_progress = WriteProgress()
+        await asyncio.to_thread(save_checkpoint, path, state, spec=self.spec, stage=stage.index, version=stage.version,
+                                progress=self.checkpoint_progress)
         seconds = time.monotonic() - started
         logger.info(f"checkpoint of stage {stage.index} step {stage.version} written to {path} in {seconds:.2f} s")
         self.metrics.write("checkpoint", stage=stage.index, version=stage.version, seconds=seconds,

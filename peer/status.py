@@ -207,6 +207,8 @@ def local_status(peer: Any) -> dict[str, Any]:
         "flops": float(getattr(peer, "flops", 0.0)),
         "time": round(now_sample.t, 3),
         "sync": peer.sync_progress.as_dict() if getattr(peer, "sync_progress", None) is not None else None,
+        "checkpoint": (peer.checkpoint_progress.as_dict() if getattr(peer, "checkpoint_progress", None) is not None
+                       else None),
     }
 
 

@@ -74,13 +74,14 @@ def render_terminal_view(doc: dict[str, Any], *, color: bool = False) -> str:
     lines.append("")
     lines.append(paint(_BOLD, "stage map") + f"  ({doc['totals']['num_training']} of {doc['totals']['num_peers']} peers training)")
     lines += _stage_lines(doc, local, paint)
-    sync = local.get("sync")
-    if sync and not sync.get("finished") and sync.get("total_bytes"):
-        done, total = sync["done_bytes"], sync["total_bytes"]
-        eta = "ETA " + format_duration(sync["eta_s"]) if sync.get("eta_s") is not None else "ETA –"
-        lines.append("")
-        lines.append(f"state download {progress_bar(done / total)} {100 * done / total:3.0f}%  "
-                     f"{format_bytes(done)} / {format_bytes(total)}  {eta}")
+    for key, label in (("sync", "state download"), ("checkpoint", "checkpoint write")):
+        work = local.get(key)
+        if work and not work.get("finished") and work.get("total_bytes"):
+            done, total = work["done_bytes"], work["total_bytes"]
+            eta = "ETA " + format_duration(work["eta_s"]) if work.get("eta_s") is not None else "ETA –"
+            lines.append("")
+            lines.append(f"{label} {progress_bar(done / total)} {100 * done / total:3.0f}%  "
+                         f"{format_bytes(done)} / {format_bytes(total)}  {eta}")
     return "\n".join(lines)
 
 

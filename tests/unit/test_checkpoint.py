@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dht.records import RunSpec
-from peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from peer.checkpoint import CheckpointError, WriteProgress, checkpoint_path, load_checkpoint, save_checkpoint
 from swarm.stage import Stage
 
 SPEC = RunSpec(run_id="ckpt")
@@ -26,8 +26,10 @@ def trained_stage(index: int) -> Stage:
 def test_a_stage_round_trips_bit_identical(tmp_path):
     stage = trained_stage(1)
     path = checkpoint_path(tmp_path, SPEC.run_id, 1)
-    save_checkpoint(path, stage.state_tensors(), spec=SPEC, stage=1, version=stage.version)
-    version, state = load_checkpoint(path, spec=SPEC, stage=1)
+    progress = WriteProgress()
+    save_checkpoint(path, stage.state_tensors(), spec=SPEC, stage=1, version=stage.version, progress=progress)
+    assert progress.finished and progress.done_bytes == progress.total_bytes == path.stat().st_size
+    version, state = load_checkpoint(path, spec=SPEC, stage=1)  # read back by the safetensors library
     assert version == 17
     fresh = Stage(SPEC, 1, device=torch.device("cpu"))
     fresh.load_state_tensors(state)
@@ -76,9 +78,22 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path):
     path = checkpoint_path(tmp_path, SPEC.run_id, 0)
     save_checkpoint(path, stage.state_tensors(), spec=SPEC, stage=0, version=5)
     before = path.read_bytes()
-    with pytest.raises(Exception):
+    with pytest.raises(TypeError):
         save_checkpoint(path, {"bad": "not a tensor"}, spec=SPEC, stage=0, version=6)  # type: ignore[dict-item]
     assert path.read_bytes() == before
     assert load_checkpoint(path, spec=SPEC, stage=0)[0] == 5
     assert not list(tmp_path.glob(".*tmp"))
     stage.shutdown()
+
+
+def test_what_we_write_is_what_the_safetensors_library_writes(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    state = {"b": torch.arange(5, dtype=torch.int64), "a": torch.randn(3, 4), "c": torch.tensor(True),
+             "d": torch.randn(7, dtype=torch.float64).to(torch.bfloat16)}
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    save_checkpoint(ours, state, spec=SPEC, stage=0, version=1)
+    save_file(state, theirs)
+    for loaded in (load_file(ours), load_file(theirs)):
+        assert sorted(loaded) == sorted(state)
+        assert all(torch.equal(loaded[name], state[name]) for name in state)

@@ -19,7 +19,7 @@ from swarm.stage import Stage
 STATUS_KEYS = {
     "peer_id", "run_id", "role", "client_mode", "stage", "num_stages", "state", "software_version", "step",
     "tokens_per_s", "samples_per_s", "microbatches_per_s", "bytes_sent_per_s", "bytes_received_per_s", "loss",
-    "bytes_sent", "bytes_received", "uptime_s", "num_samples", "num_microbatches", "flops", "time", "sync",
+    "bytes_sent", "bytes_received", "uptime_s", "num_samples", "num_microbatches", "flops", "time", "sync", "checkpoint",
 }
 
 

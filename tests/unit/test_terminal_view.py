@@ -48,6 +48,15 @@ def test_view_shows_the_state_download_with_a_progress_bar_and_eta():
     assert "state download" not in render_terminal_view(make_doc(done))
 
 
+def test_view_shows_a_checkpoint_being_written_with_a_progress_bar_and_eta():
+    local = {**LOCAL, "checkpoint": {"done_bytes": 50_000_000, "total_bytes": 100_000_000, "eta_s": 2.0,
+                                     "finished": False, "started_at": 0.0}}
+    line = next(line for line in render_terminal_view(make_doc(local)).splitlines() if line.startswith("checkpoint write"))
+    assert "50%" in line and "50.0 MB / 100.0 MB" in line and "ETA 0:00:02" in line
+    done = {**local, "checkpoint": {**local["checkpoint"], "finished": True}}
+    assert "checkpoint write" not in render_terminal_view(make_doc(done))
+
+
 def test_bootstrap_view_and_empty_history():
     text = render_terminal_view(make_doc(local=None, losses=(), last_loss=float("nan")))
     assert "run demo · bootstrap view" in text and "loss – (no last-stage report yet)" in text
