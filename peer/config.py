@@ -60,8 +60,8 @@ class PeerConfig:
     max_upload_mbps: float = field(default=0.0, metadata=_help("cap on what this peer uploads (activations, gradients, state shards), Mbit/s (0: no cap); hivemind's DHT and averaging traffic is not counted"))
     checkpoint_dir: str | None = field(default=None, metadata=_help("write this peer's stage to <dir>/<run>-stage<k>.safetensors every --checkpoint-period seconds and on leave; the first peer of a stage with no live holder resumes from it"))
     checkpoint_period: float = field(default=300.0, metadata=_help("seconds between checkpoints when --checkpoint-dir is given"))
-    rebalance_period: float = field(default=15.0, metadata=_help("seconds between checks whether moving this peer to the bottleneck stage would speed the swarm up (0: never move)"))
-    rebalance_min_gain: float = field(default=0.1, metadata=_help("move only if the pipeline's bottleneck throughput rises by at least this fraction (0.1 = 10%%)"))
+    rebalance_period: float = field(default=60.0, metadata=_help("seconds between checks whether moving this peer to the bottleneck stage would speed the swarm up; a peer is not moved in its first two periods at a stage, nor with --stage (0: never move)"))
+    rebalance_min_gain: float = field(default=0.2, metadata=_help("move only if the pipeline's bottleneck throughput rises by at least this fraction (0.2 = 20%%); FLOP/s measured on a busy machine are noisy"))
 
     def __post_init__(self) -> None:
         check_status_port(self.status_port)

@@ -1,10 +1,11 @@
 """A peer's life: join → measure → negotiate a stage → obtain its state → train (→ move) → leave.
 
-While it trains, a peer checks every ``--rebalance-period`` seconds whether moving one peer to the
-bottleneck stage would raise the swarm's throughput by ``--rebalance-min-gain`` or more
-(``planner.stage_choice.choose_move``); every peer computes the same move from the same records,
-and only the peer it names moves: it leaves its stage like a leaving peer, pulls the new stage's
-state from that stage's holders, and trains there. No other peer reloads anything.
+While it trains, a peer checks every ``--rebalance-period`` seconds (unless pinned with
+``--stage``) whether moving one peer to the bottleneck stage would raise the swarm's throughput by
+``--rebalance-min-gain`` or more (``planner.stage_choice.choose_move``); every peer computes the
+same move from the same records, and only the peer it names moves: it leaves its stage like a
+leaving peer, pulls the new stage's state from that stage's holders, and trains there. No other
+peer reloads anything.
 
 The composition root: the only place that wires the DHT, the stage, its server, the router, the
 averager and the trainer together (DESIGN §1 steps 1–4, 6 and 9).
@@ -288,7 +289,7 @@ class Peer:
         if config.checkpoint_dir:
             self._tasks.append(asyncio.create_task(self._checkpoint_loop(), name="checkpoint"))
         rebalance = None
-        if config.rebalance_period > 0:
+        if config.rebalance_period > 0 and config.stage < 0:  # a peer pinned with --stage stays
             rebalance = asyncio.create_task(self._rebalance_loop(), name="rebalance")
             self._tasks.append(rebalance)
         await self._wait_stop(stop)

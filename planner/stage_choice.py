@@ -152,7 +152,7 @@ def choose_move(stage_costs: Sequence[float], members: Sequence[StageMember], *,
         key = (-min(after), member.flops, member.peer_id)
         if best is None or key < best[0]:
             best = (key, member, min(after))
-    if best is None or before <= 0 or best[2] < before * (1.0 + min_gain):
+    if best is None or before <= 0 or best[2] <= before * (1.0 + min_gain):  # a move must gain something
         return None
     _, member, after_bottleneck = best
     return StageMove(peer_id=member.peer_id, from_stage=member.stage, to_stage=target,

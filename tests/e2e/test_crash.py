@@ -25,7 +25,7 @@ def losses_between(peers, start: float, end: float) -> list[float]:
 
 def test_kill_9_of_a_last_stage_replica_costs_only_its_compute(local_swarm):
     local_swarm.start_bootstrap()
-    peers = [local_swarm.start_peer("--num-threads", "1") for _ in range(4)]
+    peers = [local_swarm.start_peer("--num-threads", "1", "--rebalance-period", "0") for _ in range(4)]  # a fixed map
     wait_for(lambda: all(p.events("status") for p in peers), 150, "four peers to train")
     time.sleep(10)
     victim = next(p for p in peers if stage_of(p) == 1)

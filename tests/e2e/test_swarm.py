@@ -30,7 +30,9 @@ def common_rounds(peers) -> dict[float, set[str]]:
 def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
     local_swarm.start_bootstrap("--averaging-period", "6")
     roles = ["reliable", "reliable", "reliable", "unreliable"]  # the unreliable one averages in client mode
-    peers = [local_swarm.start_peer("--num-threads", "1", "--role", role) for role in roles]  # concurrent joiners
+    # --rebalance-period 0: this test checks the stage map the joiners negotiate, so nobody moves
+    peers = [local_swarm.start_peer("--num-threads", "1", "--role", role, "--rebalance-period", "0")
+             for role in roles]  # concurrent joiners
     wait_for(lambda: all(p.events("status") or not p.is_alive() for p in peers), 150, "four peers to train")
     assert all(p.is_alive() for p in peers)
 
@@ -53,7 +55,7 @@ def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
             assert len(digests) == 1, f"stage {stage} replicas differ after the round at {at}: {digests}"
 
     # a late joiner receives the current state of an occupied stage and contributes
-    late = local_swarm.start_peer("--num-threads", "1")
+    late = local_swarm.start_peer("--num-threads", "1", "--rebalance-period", "0")
     wait_for(lambda: late.events("state_download") or not late.is_alive(), 90, "the late joiner's download")
     download = late.events("state_download")[0]
     assert download["version"] > 0, "the joiner should get the trained state, not the initial one"

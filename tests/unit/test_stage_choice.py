@@ -225,7 +225,7 @@ def brute_force_move(stage_costs, members, min_gain):
             after = min(stage_throughputs(stage_costs, moved))
             if best is None or after > best[0] + 1e-12:
                 best = (after, member, k)
-    if best is None or best[0] < before * (1 + min_gain):
+    if best is None or best[0] <= before * (1 + min_gain):
         return None
     return best
 
