@@ -88,6 +88,19 @@ async def negotiate_stage(
             await asyncio.sleep(0.2)
 
 
+def piece_bytes_for(stage: Stage) -> int:
+    """The hash granularity for this stage's state: about 1/64 of it, a power of two between 64 KiB
+    and 1 MiB, so that a small stage still spreads over several holders. Every joiner of the stage
+    computes the same size, so the holders hash each version once."""
+    model = stage.model
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 * sum(
+        p.numel() * p.element_size() for p in model.parameters())
+    piece = 64 * 1024
+    while piece < 1024 * 1024 and piece * 64 < state_bytes:
+        piece *= 2
+    return piece
+
+
 async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *, config: PeerConfig) -> PullResult:
     """Pull the stage's state from all its current holders at once and load it (DESIGN §1 step 5).
 
@@ -98,7 +111,7 @@ async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *,
     Raises:
         TransferError: no holder could serve the state.
     """
-    transfer = TransferConfig(request_timeout=config.request_timeout,
+    transfer = TransferConfig(request_timeout=config.request_timeout, piece_bytes=piece_bytes_for(stage),
                               min_agreeing_donors=min(2, len(holders)))
     with _state_dir(config, stage) as store_dir:
         result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.run_id,

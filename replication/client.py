@@ -15,7 +15,7 @@ from hivemind.p2p import P2P
 
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
 from dht.wire import ProtocolError
-from replication.manifest import Manifest, ManifestError
+from replication.manifest import Manifest, ManifestError, piece_size_for
 from replication.server import manifest_handler, padded_bytes, probe_handler, shard_handler, unpack_bytes
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ async def call_probe(p2p: P2P, peer_id: str, *, run_id: str, nbytes: int, timeou
 
 
 async def call_manifest(session: Session, peer_id: str, *, piece_bytes: int, version: int | None) -> Manifest:
-    """The donor's manifest at ``piece_bytes`` (of ``version`` if given), checked to be what we asked for."""
+    """The donor's manifest at the piece size ``piece_size_for`` gives its state and ``piece_bytes``
+    (of ``version`` if given), checked to be what we asked for."""
     header: dict[str, Any] = {"stage": session.stage, "shard_bytes": piece_bytes}
     if version is not None:
         header["version"] = version
@@ -56,7 +57,8 @@ async def call_manifest(session: Session, peer_id: str, *, piece_bytes: int, ver
     reply, _ = await call_peer(session.p2p, peer_id, manifest_handler(session.run_id), header,
                                timeout=config.request_timeout, max_payload_bytes=0)
     manifest = Manifest.from_wire(reply.get("manifest"), limits=config.manifest_limits)
-    wanted = (session.run_id, session.stage, piece_bytes)
+    # the donor doubles the piece size until the manifest is small; the result is deterministic
+    wanted = (session.run_id, session.stage, piece_size_for(manifest.total_bytes, piece_bytes))
     if (manifest.run_id, manifest.stage, manifest.shard_bytes) != wanted or version not in (None, manifest.version):
         raise ManifestError(f"{peer_id[-6:]} sent a manifest for something else than {wanted} v{version}")
     return manifest

@@ -27,6 +27,7 @@ from dht.rpc import RemoteError, call_peer
 from dht.wire import read_message
 import replication.transfer as transfer
 from replication.assignment import NeighbourLink, SearchConfig
+from replication.manifest import piece_size_for
 from replication.server import ReplicationServer, manifest_handler, probe_handler, shard_handler
 from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
 from tests.conftest import open_dht_nodes
@@ -420,5 +421,24 @@ def test_queued_runs_move_from_a_slow_donor_to_the_fast_ones(loop, dht_nodes, tm
         assert report.failed_donors == {} and report.num_replans >= 2
         assert report.shards_by_donor.get(donors[0], 0) < report.num_shards / 6
         assert_accounted(result)
+
+    loop.run_until_complete(main())
+
+
+def test_a_state_of_many_pieces_is_hashed_at_a_doubled_piece_size(loop, dht_nodes, tmp_path):
+    """8.7 MB at 4 KiB pieces would be 2,000+ digests: every donor doubles p until there are at
+    most 1,024 pieces, the joiner expects exactly that, and the pull completes bit-identical."""
+    (joiner, _), *donor_nodes = dht_nodes
+    config = dataclasses.replace(CONFIG, piece_bytes=4096)
+
+    async def main():
+        servers = await start_donors(donor_nodes, [STATE] * 3)
+        result = await pull(joiner, peer_ids(donor_nodes), tmp_path / "store", config)
+        assert_identical(result.state)
+        piece = piece_size_for(STATE_BYTES, 4096)
+        assert piece > 4096 and result.report.piece_bytes == piece
+        assert result.report.num_shards == -(-STATE_BYTES // piece) <= 1024 < -(-STATE_BYTES // (piece // 2))
+        assert [server.cached_shard_sizes(VERSION) for server in servers] == [(piece,)] * 3
+        assert result.report.failed_donors == {}
 
     loop.run_until_complete(main())
