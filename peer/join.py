@@ -88,13 +88,18 @@ async def negotiate_stage(
             await asyncio.sleep(0.2)
 
 
+def stage_state_bytes(stage: Stage) -> int:
+    """Bytes a joiner downloads for ``stage``: its tensors plus AdamW's two moments per parameter."""
+    model = stage.model
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 * sum(
+        p.numel() * p.element_size() for p in model.parameters())
+
+
 def piece_bytes_for(stage: Stage) -> int:
     """The hash granularity for this stage's state: about 1/64 of it, a power of two between 64 KiB
     and 1 MiB, so that a small stage still spreads over several holders. Every joiner of the stage
     computes the same size, so the holders hash each version once."""
-    model = stage.model
-    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 * sum(
-        p.numel() * p.element_size() for p in model.parameters())
+    state_bytes = stage_state_bytes(stage)
     piece = 64 * 1024
     while piece < 1024 * 1024 and piece * 64 < state_bytes:
         piece *= 2

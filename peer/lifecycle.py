@@ -30,7 +30,7 @@ from dht.registry import declare_peer, dht_time
 from peer.checkpoint import CheckpointError, WriteProgress, checkpoint_path, load_checkpoint, save_checkpoint
 from peer.config import PeerConfig
 from peer.errors import UserError
-from peer.join import fetch_spec, negotiate_stage, pull_stage_state
+from peer.join import fetch_spec, negotiate_stage, pull_stage_state, stage_state_bytes
 from peer.metrics import MetricsLog
 from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
 from peer.status import SOFTWARE_VERSION, StatusHistory, SyncProgress, local_status, sample_peer
@@ -191,10 +191,7 @@ class Peer:
             if not await self._resume_from_checkpoint():
                 logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
             return
-        model = self.stage.model  # the state: its tensors plus AdamW's two moments per parameter
-        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + 2 * sum(
-            p.numel() * p.element_size() for p in model.parameters())
-        self.sync_progress = SyncProgress(total_bytes=state_bytes, traffic=self.traffic)
+        self.sync_progress = SyncProgress(total_bytes=stage_state_bytes(self.stage), traffic=self.traffic)
         result = await pull_stage_state(self.p2p, self.stage, holders, config=self.config)
         self.sync_progress.finish()
         self.metrics.write("state_download", version=result.version, seconds=result.report.seconds,

@@ -247,9 +247,7 @@ class ReplicationServer:
         held = self._versions[version]
         self._versions.move_to_end(version)
         shard_bytes = piece_size_for(len(held.data), min_piece_bytes)
-        if shard_bytes not in held.manifests:
-            if count_shards(len(held.data), shard_bytes) > MAX_REQUEST_SHARDS:
-                raise ValueError(f"shard_bytes {shard_bytes} makes more than {MAX_REQUEST_SHARDS} shards")
+        if shard_bytes not in held.manifests:  # piece_size_for keeps it to MAX_PIECES digests
             base = next(iter(held.manifests.values()))
             hashes = await asyncio.to_thread(_hash_shards, held.data, shard_bytes)
             if len(held.manifests) >= _MAX_MANIFESTS_PER_VERSION:
