@@ -43,6 +43,17 @@ class SwarmView:
         current = next((r.announced_at for r in self.records if r.peer_id == peer_id), 0.0)
         self._departed[peer_id] = current
 
+    def restore(self, peer_id: str) -> None:
+        """Undo :meth:`mark_departed` (the failure detector's false alarm: the peer answers again)."""
+        self._departed.pop(peer_id, None)
+
+    def is_gone(self, peer_id: str) -> bool:
+        """Marked departed (a notice or the failure detector) and not back with a newer record."""
+        if peer_id not in self._departed:
+            return False
+        record = next((r for r in self.records if r.peer_id == peer_id), None)
+        return record is None or self._has_departed(record)
+
     def _has_departed(self, record: PeerRecord) -> bool:
         return record.peer_id in self._departed and record.announced_at <= self._departed[record.peer_id]
 
