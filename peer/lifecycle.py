@@ -25,6 +25,7 @@ import torch
 
 from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import PeerRecord, RunSpec
+from dht.reputation import Reputation
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
 from dht.registry import declare_peer, dht_time
 from peer.checkpoint import CheckpointError, WriteProgress, checkpoint_path, load_checkpoint, save_checkpoint
@@ -77,6 +78,7 @@ class Peer:
         self.router: Router | None = None  # to the next stage (None on the last)
         self.detector: FailureDetector | None = None
         self._background_tasks: set[asyncio.Task] = set()
+        self.reputation = Reputation(on_ban=lambda peer_id, reason: self.metrics.write("banned", peer_id=peer_id, reason=reason))
         self.peer_id = ""
         self.maddrs: tuple[str, ...] = ()
         self._corpus = b""
@@ -261,21 +263,24 @@ class Peer:
                             next_stage_flops=stage_flops_per_sample(spec, stage.index + 1),
                             request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                             rng=random.Random(f"{spec.seed}:{self.peer_id}"), sticky=replay,
-                            max_attempts=3 if replay else 1)
+                            max_attempts=3 if replay else 1, reputation=self.reputation)
         self.router = router
         self.server = StageServer(self.p2p, stage, peer_id=self.peer_id, router=router,
                                   request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                                   on_microbatch=self._on_microbatch, on_event=self._on_stage_event,
-                                  ledger=MicrobatchLedger() if replay else None)
+                                  ledger=MicrobatchLedger() if replay else None, reputation=self.reputation)
         await self.server.start()
         self.replication = ReplicationServer(self.p2p, run_id=spec.run_id, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout)
         await self.replication.start()
         self.notices = MembershipNotices(self.p2p, self.view, run_id=spec.run_id, peer_id=self.peer_id,
-                                         on_notice=self._on_notice, on_rumour=self._on_rumour)
+                                         on_notice=self._on_notice, on_rumour=self._on_rumour,
+                                         reputation=self.reputation)
         await self.notices.start()
         self.detector = FailureDetector(self.p2p, self.view, peer_id=self.peer_id, stage=stage.index,
-                                        handler=membership_handler(spec.run_id), on_down=self._peer_down)
+                                        handler=membership_handler(spec.run_id), on_down=self._peer_down,
+                                        on_link=self._on_link)
+        self.view.on_change = self._on_view_change
         self.averager = StageAverager(stage, self.dht, self.view, client_mode=self.role == "unreliable" or config.client_mode,
                                       on_round=self._on_round)
         self.view.start()
@@ -499,8 +504,30 @@ class Peer:
         abandoned = self.router.peer_down(peer_id) if self.router is not None else 0
         handle_ms = (time.perf_counter() - started) * 1e3  # the local handling, no network I/O
         self.metrics.write("peer_down", peer_id=peer_id, how=how, abandoned=abandoned, handle_ms=handle_ms)
+        self.metrics.write("primitive", kind="scale_in", peer_id=peer_id, how=how, handle_ms=handle_ms)
         if how == "detector" and self.notices is not None:
             self._background(self.notices.gossip_failure(peer_id), "gossip")
+
+    def _on_view_change(self, kind: str, record: PeerRecord) -> None:
+        """Seed 003 §IV scale-out / scale-in as a view refresh sees them (a peer starts or stops
+        training at a stage). The router and the detector read the view, so handling is bookkeeping:
+        a peer back at work is no longer avoided."""
+        started = time.perf_counter()
+        if kind == "scale_out" and self.router is not None and record.stage == self.router.next_stage:
+            self.router.failed_until.pop(record.peer_id, None)
+        self.metrics.write("primitive", kind=kind, peer_id=record.peer_id, stage=record.stage, how="view",
+                           handle_ms=(time.perf_counter() - started) * 1e3)
+
+    def _on_link(self, kind: str, peer_id: str) -> None:
+        """Seed 003 §IV disconnect-link / connect-link: a neighbour missed a ping (route around it for
+        now, without declaring it down) or answers again (route to it again)."""
+        started = time.perf_counter()
+        if self.router is not None:
+            if kind == "disconnect_link":
+                self.router.failed_until[peer_id] = time.monotonic() + self.router.failure_cooldown
+            else:
+                self.router.failed_until.pop(peer_id, None)
+        self.metrics.write("primitive", kind=kind, peer_id=peer_id, handle_ms=(time.perf_counter() - started) * 1e3)
 
     def _on_rumour(self, peer_id: str, sender: str) -> None:
         """Another peer says ``peer_id`` crashed: believe it only if it does not answer us either."""

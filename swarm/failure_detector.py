@@ -95,10 +95,11 @@ class FailureDetector:
         threshold: float = 8.0,
         max_failed_pings: int = 2,
         min_std: float = 0.1,
+        on_link: Callable[[str, str], None] = lambda kind, peer_id: None,
     ) -> None:
         self.p2p, self.view, self.peer_id, self.stage, self.handler = p2p, view, peer_id, stage, handler
         self.on_down, self.ping_period, self.threshold = on_down, ping_period, threshold
-        self.max_failed_pings, self.min_std = max_failed_pings, min_std
+        self.max_failed_pings, self.min_std, self.on_link = max_failed_pings, min_std, on_link
         self.monitors: dict[str, PhiAccrual] = {}
         self._failed: collections.Counter = collections.Counter()
         self._pinging: dict[str, asyncio.Task] = {}
@@ -190,9 +191,13 @@ class FailureDetector:
             return
         if answered:
             monitor.heartbeat(time.monotonic())
+            if self._failed[peer_id]:
+                self.on_link("connect_link", peer_id)  # the link is back before the peer was declared down
             self._failed[peer_id] = 0
             return
         self._failed[peer_id] += 1
+        if self._failed[peer_id] == 1:
+            self.on_link("disconnect_link", peer_id)
         if self._failed[peer_id] >= self.max_failed_pings:
             logger.info(f"{peer_id[-6:]} refused {self._failed[peer_id]} pings in a row: down")
             self.declare_down(peer_id, "detector")

@@ -24,6 +24,7 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
+from dht.reputation import Reputation
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError
 from swarm.view import SwarmView
@@ -45,9 +46,10 @@ class MembershipNotices:
         self, p2p: P2P, view: SwarmView, *, run_id: str, peer_id: str,
         on_notice: Callable[[dict[str, Any]], None] = lambda notice: None,
         on_rumour: Callable[[str, str], None] = lambda peer_id, sender: None,
+        reputation: Reputation | None = None,
     ) -> None:
         self.p2p, self.view, self.run_id, self.peer_id = p2p, view, run_id, peer_id
-        self.on_notice, self.on_rumour = on_notice, on_rumour
+        self.on_notice, self.on_rumour, self.reputation = on_notice, on_rumour, reputation
         self.num_refused = 0
 
     async def start(self) -> None:
@@ -59,11 +61,18 @@ class MembershipNotices:
         except Exception as e:  # the daemon may already be gone
             logger.debug(f"could not remove the membership handler: {e!r}")
 
-    def _count(self, outcome: str) -> None:
-        self.num_refused += outcome == "refused"
-
     async def rpc_notify(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # authenticated by libp2p: a notice speaks only for its sender
+        if self.reputation is not None and self.reputation.is_banned(sender):
+            self.num_refused += 1
+            writer.close()
+            return
+
+        def count(outcome: str) -> None:
+            if outcome == "refused":
+                self.num_refused += 1
+                if self.reputation is not None:
+                    self.reputation.strike(sender, "sent a malformed membership notice")
 
         async def process(header: dict[str, Any], _tensors: list) -> tuple[dict[str, Any], list]:
             kind = header.get("kind")
@@ -84,7 +93,7 @@ class MembershipNotices:
             return {"ok": True}, []
 
         await serve_request(reader, writer, process, max_payload_bytes=0, timeout=NOTICE_TIMEOUT,
-                            what="membership", on_outcome=self._count)
+                            what="membership", on_outcome=count)
 
     async def announce_leave(self) -> int:
         """Tell every peer in the view that this peer leaves; returns how many acknowledged."""

@@ -35,6 +35,7 @@ import torch
 from hivemind.p2p import P2P
 
 from dht.records import PeerRecord
+from dht.reputation import Reputation
 from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, forward_handler
 from swarm.view import SwarmView
 
@@ -86,12 +87,14 @@ class Router:
         max_attempts: int = 3,
         failure_cooldown: float = 10.0,
         sticky: bool = True,
+        reputation: Reputation | None = None,
     ) -> None:
         self.p2p, self.view, self.run_id = p2p, view, run_id
         self.next_stage, self.next_stage_flops = next_stage, next_stage_flops
         self.request_timeout, self.max_payload_bytes = request_timeout, max_payload_bytes
         self.rng, self.max_attempts, self.failure_cooldown = rng, max_attempts, failure_cooldown
         self.sticky = sticky
+        self.reputation = reputation
         self.in_flight: Counter = Counter()
         self.path_in_flight: Counter = Counter()  # stage 0: its microbatches out at each peer of any stage
         self.failed_until: dict[str, float] = {}
@@ -99,7 +102,8 @@ class Router:
         self._calls: dict[str, set[asyncio.Task]] = {}
 
     def _available(self, peer_id: str, now: float) -> bool:
-        return self.failed_until.get(peer_id, 0.0) <= now and not self.view.is_gone(peer_id)
+        return (self.failed_until.get(peer_id, 0.0) <= now and not self.view.is_gone(peer_id)
+                and not (self.reputation is not None and self.reputation.is_banned(peer_id)))
 
     def choose(self, exclude: set[str]) -> PeerRecord | None:
         now = time.monotonic()
@@ -179,6 +183,8 @@ class Router:
                 self.num_failures += 1
                 if getattr(e, "code", "") != "unrouted":  # it answered: only the stage after it failed
                     self.failed_until[target] = time.monotonic() + self.failure_cooldown
+                    if self.reputation is not None:
+                        self.reputation.strike(target, f"a forward call failed: {e}")
                 errors.append(str(e))
                 logger.debug(f"microbatch {mb_id} failed at {target[-6:]}: {e}")
             finally:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
+from dht.reputation import Reputation
 from dht.rpc import Declined, forward_handler, serve_request
 from dht.wire import ProtocolError, require_tensor
 from swarm.router import Router
@@ -50,6 +51,7 @@ class StageServer:
         on_microbatch: Callable[[dict[str, Any]], None] = lambda event: None,
         on_event: Callable[..., None] = lambda event, **fields: None,
         ledger: MicrobatchLedger | None = None,
+        reputation: Reputation | None = None,
     ) -> None:
         if (router is None) != stage.is_last:
             raise ValueError("every stage but the last needs a router to the next stage")
@@ -57,6 +59,7 @@ class StageServer:
         self.request_timeout, self.max_payload_bytes = request_timeout, max_payload_bytes
         self.on_microbatch, self.on_event = on_microbatch, on_event
         self.ledger = ledger  # None: the restart baseline, every delivery is computed and counted
+        self.reputation = reputation
         self.num_refused = 0
         self._local_ids = itertools.count()
         self._accepting = True
@@ -81,18 +84,26 @@ class StageServer:
         if self._active:
             await asyncio.wait(list(self._active), timeout=timeout)
 
-    async def rpc_forward(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes)
+    async def rpc_forward(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = info.peer_id.to_base58()  # authenticated by libp2p
+        if self.reputation is not None and self.reputation.is_banned(sender):
+            self.num_refused += 1
+            writer.close()  # a banned peer gets nothing, not even a reason
+            return
+        await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes, sender=sender)
 
-    def _count(self, outcome: str) -> None:
-        self.num_refused += outcome == "refused"
+    async def _serve(self, reader, writer, process, *, max_payload_bytes: int, sender: str) -> None:
+        def count(outcome: str) -> None:
+            if outcome == "refused":
+                self.num_refused += 1
+                if self.reputation is not None:
+                    self.reputation.strike(sender, "sent a malformed forward request")
 
-    async def _serve(self, reader, writer, process, *, max_payload_bytes: int) -> None:
         task = asyncio.current_task()
         self._active.add(task)
         try:
             await serve_request(reader, writer, process, max_payload_bytes=max_payload_bytes,
-                                timeout=self.request_timeout, what="forward", on_outcome=self._count)
+                                timeout=self.request_timeout, what="forward", on_outcome=count)
         finally:
             self._active.discard(task)
 

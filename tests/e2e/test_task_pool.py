@@ -67,6 +67,10 @@ def test_kill_9_of_a_middle_stage_replica_loses_no_microbatch_and_counts_none_tw
         downs = [e for e in peer.events("peer_down") if e["peer_id"] == victim_id]
         assert downs and downs[0]["how"] in ("detector", "gossip"), f"{peer.name} never learned of the crash"
         assert downs[0]["t"] - killed_at < 3.0, f"{peer.name} learned of the crash after {downs[0]['t'] - killed_at:.1f}s"
+    primitives = [e for p in (first, survivor, last) for e in p.events("primitive")]
+    assert {"scale_in", "scale_out"} <= {e["kind"] for e in primitives}
+    assert all(e["handle_ms"] < 1000 for e in primitives)  # bookkeeping only: sanity, not a speed target
+    print(f"primitives: {Counter(e['kind'] for e in primitives)}, max handle {max(e['handle_ms'] for e in primitives):.3f} ms")
     replayed = ids(first, "replayed")
     print(f"replay reasons: {Counter(e['reason'][:90] for e in first.events('replayed'))}")
     print(f"completed {len(completed)}, replays {len(replayed)}, victim counted {len(crashed)}, "

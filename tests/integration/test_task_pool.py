@@ -82,3 +82,29 @@ def test_a_broken_microbatch_is_replayed_with_its_id_and_data_and_counted_once(d
         assert len(trainer.pool) == 0
 
     asyncio.run(main())
+
+
+def test_a_peer_that_keeps_sending_garbage_is_banned_and_others_are_still_served(dht_nodes):
+    (other, _), (dht0, _), (dht1, v1) = dht_nodes
+    from dht.reputation import Reputation
+    from dht.rpc import PeerUnavailableError, RemoteError
+
+    async def main():
+        stage1, server, peer1 = await serve_last_stage(dht1, v1)
+        banned = []
+        server.reputation = Reputation(max_strikes=3, on_ban=lambda peer_id, reason: banned.append(peer_id))
+        p2p = await dht0.replicate_p2p()
+        header, tensors = request("ok", 1)
+        for _ in range(3):
+            with pytest.raises(RemoteError, match="route"):
+                await call_peer(p2p, peer1, forward_handler(SPEC.run_id), {**header, "route": []}, tensors,
+                                timeout=10, max_payload_bytes=MAX_PAYLOAD)
+        assert banned == [dht0.peer_id.to_base58()]
+        with pytest.raises(PeerUnavailableError):  # even a good request goes unanswered now
+            await call_peer(p2p, peer1, forward_handler(SPEC.run_id), header, tensors, timeout=10, max_payload_bytes=MAX_PAYLOAD)
+        assert stage1.counters.num_samples == 0
+        reply, _ = await call_peer(await other.replicate_p2p(), peer1, forward_handler(SPEC.run_id), header, tensors,
+                                   timeout=10, max_payload_bytes=MAX_PAYLOAD)  # someone else is still served
+        assert reply["ok"] and stage1.counters.num_samples == 2
+
+    asyncio.run(main())

@@ -80,3 +80,19 @@ def test_stand_ins_are_ordered_alike_by_every_peer_and_spread_over_replicas():
         assert list(substitute_order(mb_id, [p for p in peers if p != order[0]])) == list(order[1:])
     firsts = Counter(substitute_order(f"mb{i}", peers)[0] for i in range(4000))
     assert set(firsts) == set(peers) and min(firsts.values()) > 800  # about 1000 each
+
+
+def test_phi_accrual_suspects_a_silent_peer_sooner_on_a_steady_link_than_on_a_jittery_one():
+    from swarm.failure_detector import PhiAccrual
+
+    steady, jittery = PhiAccrual(min_std=0.01), PhiAccrual(min_std=0.01)
+    for i in range(50):
+        steady.heartbeat(i * 0.3)
+        jittery.heartbeat(sum(0.3 + (0.25 if k % 2 else -0.25) for k in range(i)))
+    assert steady.phi(steady.last + 0.3) < 1.0  # on time: no suspicion
+    assert steady.phi(steady.last + 1.0) > 8.0  # 0.7 s late on a steady 0.3 s rhythm: down
+    assert jittery.phi(jittery.last + 1.0) < 8.0  # the same silence on a jittery link: not yet
+    for detector in (steady, jittery):
+        timeout = detector.timeout(8.0)
+        assert detector.phi(detector.last + timeout * 0.99) < 8.0 <= detector.phi(detector.last + timeout * 1.01)
+    assert steady.timeout(8.0) < jittery.timeout(8.0)
