@@ -62,12 +62,15 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until ``stop`` is set; then let in-flight microbatches finish."""
-        async with asyncio.TaskGroup() as group:
-            for lane in range(self.max_in_flight):
-                group.create_task(self._lane(stop, lane))
-        pending = self.pool.pending()
-        if pending:  # drawn, never completed: reported, so a run's accounting can tell them from lost ones
-            self.on_event("unfinished", mb_ids=[t.mb_id for t in pending], samples=sum(t.batch_size for t in pending))
+        try:
+            async with asyncio.TaskGroup() as group:
+                for lane in range(self.max_in_flight):
+                    group.create_task(self._lane(stop, lane))
+        finally:  # drawn, never completed (waiting for a replay, or cut off by a hard stop): reported, so a
+            # run's accounting can tell them from lost ones
+            pending = self.pool.pending() + list(self.in_flight.values())
+            if pending:
+                self.on_event("unfinished", mb_ids=[t.mb_id for t in pending], samples=sum(t.batch_size for t in pending))
 
     async def _lane(self, stop: asyncio.Event, lane: int) -> None:
         await asyncio.sleep(0.05 * lane)  # stagger lanes so they do not hit the pipeline in lockstep
