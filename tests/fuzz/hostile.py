@@ -356,7 +356,7 @@ def hostile_messages(kind: str, target: Target, *, seed: int) -> Iterator[Hostil
 def http_messages(*, seed: int) -> Iterator[tuple[str, bytes]]:
     """An endless, reproducible stream of requests the status port must answer with a 4xx."""
     rng = random.Random(f"{seed}:http")
-    path = lambda: rng.choice(["/", "/status.json", "/metrics", "/x"])  # noqa: E731
+    path = lambda: rng.choice(["/", "/status.json", "/metrics", "/x"])
     strategies: list[Callable[[], tuple[str, bytes]]] = [
         lambda: ("random bytes", rng.randbytes(rng.randrange(1, 200)).replace(b"\r\n\r\n", b"") + b"\r\n\r\n"),
         lambda: ("TLS hello", b"\x16\x03\x01\x00\xa5" + rng.randbytes(60) + b"\r\n\r\n"),

@@ -76,12 +76,15 @@ def _read(data: bytes, limit: int):
     return asyncio.run(main())
 
 
+def _framed(header: bytes) -> bytes:
+    return struct.pack(">I", len(header)) + header
+
+
 frames = st.one_of(
     st.binary(max_size=200),
     st.builds(lambda header, tail: struct.pack(">I", len(header)) + header + tail,
               values.map(lambda v: msgpack.packb(v, use_bin_type=True)), st.binary(max_size=200)),
-    st.builds(lambda layout, tail: (lambda h: struct.pack(">I", len(h)) + h + tail)(msgpack.packb({"tensors": layout})),
-              described, st.binary(max_size=400)),
+    st.builds(lambda layout, tail: _framed(msgpack.packb({"tensors": layout})) + tail, described, st.binary(max_size=400)),
     st.builds(lambda n, tail: struct.pack(">I", n) + tail, st.integers(0, 2**32 - 1), st.binary(max_size=50)),
 )
 

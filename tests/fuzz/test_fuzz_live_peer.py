@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 import msgpack
 import pytest
+import torch
 from hivemind.p2p import P2P, PeerID
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -280,15 +281,13 @@ def test_every_handler_refuses_10k_hostile_messages_and_training_goes_on(swarm, 
 async def call_all_handlers(p2p: P2P, target: Target, target_id: str) -> dict[str, dict]:
     """One well-formed request to each handler; their replies."""
     names, spec = handlers(RUN_ID), target.spec
-    call = lambda kind, header, tensors=(), limit=0: call_peer(  # noqa: E731
+    call = lambda kind, header, tensors=(), limit=0: call_peer(
         p2p, target_id, names[kind], header, tensors, timeout=30, max_payload_bytes=limit)
     answers = {"status": (await call("status", {"want": "status"}))[0],
                "probe": (await call("probe", {"nbytes": 1024}, limit=1 << 20))[0]}
     manifest = (await call("manifest", {"stage": 1, "shard_bytes": 65536}))[0]["manifest"]
     answers["shard"] = (await call("shard", {"stage": 1, "version": manifest["version"], "index": 0,
                                              "shard_bytes": manifest["shard_bytes"]}, limit=1 << 30))[0]
-    import torch
-
     activations = torch.randn(1, spec.model.seq_len, spec.model.d_model)
     targets = torch.randint(0, spec.model.vocab_size, (1, spec.model.seq_len))
     route = [[target.peer_ids[0], 0, 0]]

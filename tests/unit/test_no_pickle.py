@@ -93,10 +93,11 @@ def test_our_code_uses_no_pickle(path):
 
 
 def test_hivemind_msgpack_decoder_knows_only_msgpack_ext_types():
-    import peer.lifecycle  # noqa: F401  everything a peer imports registers its ext types
     from hivemind.dht.storage import DictionaryDHTValue
     from hivemind.utils.serializer import MSGPackSerializer
     from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+    import peer.lifecycle  # noqa: F401  everything a peer imports registers its ext types
 
     assert MSGPackSerializer._ext_type_codes == {0x50: DictionaryDHTValue, 0x51: BatchTensorDescriptor}
     assert MSGPackSerializer._TUPLE_EXT_TYPE_CODE == 0x40
