@@ -97,7 +97,7 @@ def test_hivemind_msgpack_decoder_knows_only_msgpack_ext_types():
     from hivemind.utils.serializer import MSGPackSerializer
     from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
-    import peer.lifecycle  # noqa: F401  everything a peer imports registers its ext types
+    importlib.import_module("peer.lifecycle")  # everything a peer imports registers its ext types
 
     assert MSGPackSerializer._ext_type_codes == {0x50: DictionaryDHTValue, 0x51: BatchTensorDescriptor}
     assert MSGPackSerializer._TUPLE_EXT_TYPE_CODE == 0x40
