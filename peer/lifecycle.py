@@ -78,7 +78,9 @@ class Peer:
         self.router: Router | None = None  # to the next stage (None on the last)
         self.detector: FailureDetector | None = None
         self._background_tasks: set[asyncio.Task] = set()
-        self.reputation = Reputation(on_ban=lambda peer_id, reason: self.metrics.write("banned", peer_id=peer_id, reason=reason))
+        self.reputation = None if config.ban_strikes == 0 else Reputation(
+            max_strikes=config.ban_strikes, ban_seconds=config.ban_seconds,
+            on_ban=lambda peer_id, reason: self.metrics.write("banned", peer_id=peer_id, reason=reason))
         self.peer_id = ""
         self.maddrs: tuple[str, ...] = ()
         self._corpus = b""
@@ -497,13 +499,14 @@ class Peer:
             self._peer_down(notice["peer_id"], "notice")
 
     def _peer_down(self, peer_id: str, how: str) -> None:
-        """``peer_id`` is gone (scale-in, seed 003 §IV): stop routing to it, re-send what waits on it
-        (see swarm/router.py) and, if this peer's own detector found out, tell the others."""
+        """``peer_id`` is gone (scale-in, seed 003 §IV): send it nothing new (see swarm/router.py) and,
+        if this peer's own detector found out, tell the others."""
         started = time.perf_counter()
         self.view.mark_departed(peer_id)
-        abandoned = self.router.peer_down(peer_id) if self.router is not None else 0
+        if self.router is not None:
+            self.router.peer_down(peer_id)
         handle_ms = (time.perf_counter() - started) * 1e3  # the local handling, no network I/O
-        self.metrics.write("peer_down", peer_id=peer_id, how=how, abandoned=abandoned, handle_ms=handle_ms)
+        self.metrics.write("peer_down", peer_id=peer_id, how=how, handle_ms=handle_ms)
         self.metrics.write("primitive", kind="scale_in", peer_id=peer_id, how=how, handle_ms=handle_ms)
         if how == "detector" and self.notices is not None:
             self._background(self.notices.gossip_failure(peer_id), "gossip")

@@ -2,16 +2,18 @@
 
 Each peer pings its pipeline neighbours (its own stage and the stages before and after it) every
 ``ping_period`` over the membership protocol, and keeps, per neighbour, the intervals between
-answered pings. A :class:`PhiAccrual` detector (Hayashibara et al., 2004; what Cassandra and Akka
-use) turns the time since the last answer into a suspicion level
+answered pings. A :class:`PhiAccrual` model of them (Hayashibara et al., 2004; what Cassandra and
+Akka use) gives the suspicion level
 
     phi(t) = -log10(P(next answer comes later than t)),
 
-with the intervals modelled as a normal distribution of their measured mean and deviation. A
-neighbour is declared down when phi exceeds ``threshold`` (8: a one-in-10^8 chance that a live peer
-is this late), so the effective timeout follows what the link and the host actually do: tight on an
-idle loopback, looser on a busy one. A ping that fails outright (the peer's daemon is gone and the
-connection is refused) is direct evidence: ``max_failed_pings`` in a row declare it down at once.
+with the intervals modelled as a normal distribution of their measured mean and deviation. A ping's
+deadline is the time at which phi reaches ``threshold`` (8: a one-in-10^8 chance that a live peer is
+this late), so it follows what the link and the host actually do: tight on an idle loopback, looser
+on a busy one. ``max_failed_pings`` (2) pings in a row that miss their deadline or are refused
+outright (the peer's daemon is gone) declare the neighbour down. A ping that timed out while this
+peer itself stalled (its own ticks came late: a busy host) gives no verdict, so an overloaded
+observer does not declare all its neighbours dead.
 
 A peer that declares a neighbour down tells the peers in its view (gossip, :mod:`swarm.membership`);
 a receiver does not take the word of a stranger for it but pings the named peer once itself, so a
@@ -35,6 +37,7 @@ from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 RECHECK_PERIOD = 2.0  # seconds between pings to a peer declared down whose record is still fresh
+STALL_FACTOR = 3  # a tick this many ping periods late means this peer stalled, not its neighbours
 
 
 class PhiAccrual:
@@ -105,6 +108,8 @@ class FailureDetector:
         self._pinging: dict[str, asyncio.Task] = {}
         self.down: set[str] = set()
         self._recheck_at: dict[str, float] = {}
+        self._last_tick = time.monotonic()
+        self._stalled_at = -math.inf
         self.num_pings = 0
 
     def neighbours(self) -> set[str]:
@@ -127,11 +132,17 @@ class FailureDetector:
 
     async def check(self, peer_id: str, *, timeout: float = 1.0) -> bool:
         """Is ``peer_id`` answering? (one ping, used to verify a rumour)"""
+        return await self._ping_once(peer_id, timeout) == "answered"
+
+    async def _ping_once(self, peer_id: str, timeout: float) -> str:
+        """"answered", "late" (no answer by ``timeout``) or "refused" (could not reach it)."""
         try:
             await call_peer(self.p2p, peer_id, self.handler, {"kind": "ping"}, timeout=timeout, max_payload_bytes=0)
-            return True
-        except (PeerUnavailableError, RemoteError):
-            return False
+            return "answered"
+        except PeerUnavailableError as e:
+            return "late" if isinstance(e.__cause__, asyncio.TimeoutError) else "refused"
+        except RemoteError:
+            return "refused"
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -146,6 +157,11 @@ class FailureDetector:
                 task.cancel()
 
     def tick(self, now: float) -> None:
+        if now - self._last_tick > STALL_FACTOR * self.ping_period:
+            # this peer itself stalled (a busy host): whatever timed out meanwhile is not their fault
+            self._stalled_at = now
+            logger.debug(f"failure detector stalled for {now - self._last_tick:.2f}s: no verdict on pings in flight")
+        self._last_tick = now
         current = self.neighbours()
         for peer_id in list(self.monitors):
             if peer_id not in current:  # no longer a neighbour (moved, left, expired)
@@ -158,12 +174,6 @@ class FailureDetector:
             if peer_id in self.down:
                 continue
             monitor = self.monitors.setdefault(peer_id, PhiAccrual(min_std=self.min_std, first_interval=self.ping_period))
-            if monitor.last is None:
-                monitor.last = now  # start the clock at the first ping
-            if monitor.phi(now) > self.threshold:
-                logger.info(f"{peer_id[-6:]} has not answered for {now - monitor.last:.2f}s (phi {monitor.phi(now):.1f}): down")
-                self.declare_down(peer_id, "detector")
-                continue
             if peer_id not in self._pinging:
                 deadline = max(self.ping_period, monitor.timeout(self.threshold))
                 self._pinging[peer_id] = asyncio.create_task(self._ping(peer_id, deadline))
@@ -181,15 +191,18 @@ class FailureDetector:
             self.view.restore(peer_id)
 
     async def _ping(self, peer_id: str, deadline: float) -> None:
+        started = time.monotonic()
         try:
             self.num_pings += 1
-            answered = await self.check(peer_id, timeout=deadline)
+            outcome = await self._ping_once(peer_id, deadline)
         finally:
             self._pinging.pop(peer_id, None)
         monitor = self.monitors.get(peer_id)
         if monitor is None:
             return
-        if answered:
+        if outcome == "late" and (self._stalled_at >= started or time.monotonic() - self._last_tick > STALL_FACTOR * self.ping_period):
+            return  # we stalled while waiting: no verdict
+        if outcome == "answered":
             monitor.heartbeat(time.monotonic())
             if self._failed[peer_id]:
                 self.on_link("connect_link", peer_id)  # the link is back before the peer was declared down

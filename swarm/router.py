@@ -16,13 +16,14 @@ With the ``replay`` recovery (:mod:`swarm.task_pool`) stage 0 draws the whole pa
 (:meth:`Router.plan_path`, the same weights, with its own microbatches out at each peer as the queue
 signal); each hop sends to the planned peer and, if it is gone, to the first live stand-in in
 :func:`substitute_order`, so replays of one microbatch meet the replicas that already counted it.
-When the failure detector or a leave notice says a peer is gone, :meth:`Router.peer_down` abandons
-the calls waiting on it at once rather than at their deadline.
+When the failure detector or a leave notice says a peer is gone, :meth:`Router.peer_down` stops
+sending it new work; a call to a peer that hangs fails at an adaptive deadline
+(:meth:`Router.call_timeout`: a multiple of the measured round trips).
 """
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import hashlib
 import logging
 import random
@@ -40,6 +41,7 @@ from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, forw
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
+MIN_CALL_TIMEOUT = 5.0  # seconds: the adaptive deadline of a forward call never goes below this
 
 
 class NoPeerAvailableError(Declined):
@@ -99,7 +101,7 @@ class Router:
         self.path_in_flight: Counter = Counter()  # stage 0: its microbatches out at each peer of any stage
         self.failed_until: dict[str, float] = {}
         self.num_failures = 0
-        self._calls: dict[str, set[asyncio.Task]] = {}
+        self._durations: collections.deque[float] = collections.deque(maxlen=200)  # answered calls, seconds
 
     def _available(self, peer_id: str, now: float) -> bool:
         return (self.failed_until.get(peer_id, 0.0) <= now and not self.view.is_gone(peer_id)
@@ -139,14 +141,22 @@ class Router:
         order = substitute_order(mb_id, live)
         return order[0] if order else None
 
-    def peer_down(self, peer_id: str) -> int:
-        """``peer_id`` is gone (a leave notice or the failure detector said so): avoid it and abandon
-        the calls waiting on it, so their microbatches go to a stand-in now. Returns how many."""
+    def peer_down(self, peer_id: str) -> None:
+        """``peer_id`` is gone (a leave notice or the failure detector said so): send it nothing new.
+
+        Calls already waiting on it are left alone: a leaving peer drains them, a crashed one's
+        connections are reset so they fail at once, and abandoning a call to a peer that is only
+        suspected (a busy host stalls) would get its microbatch counted by two replicas."""
         self.failed_until[peer_id] = time.monotonic() + self.failure_cooldown
-        calls = self._calls.pop(peer_id, set())
-        for call in calls:
-            call.cancel()
-        return len(calls)
+
+    def call_timeout(self) -> float:
+        """Deadline of one forward call: 8x the 95th percentile of the last answered calls (which
+        include the whole rest of the pipeline), at least ``MIN_CALL_TIMEOUT``, at most
+        ``request_timeout``; ``request_timeout`` until 20 calls were measured."""
+        if len(self._durations) < 20:
+            return self.request_timeout
+        p95 = sorted(self._durations)[int(0.95 * (len(self._durations) - 1))]
+        return min(self.request_timeout, max(MIN_CALL_TIMEOUT, 8 * p95))
 
     async def forward(
         self, header: dict[str, Any], tensors: Sequence[torch.Tensor]
@@ -167,18 +177,14 @@ class Router:
                 break
             tried.add(target)
             self.in_flight[target] += 1
-            call = asyncio.ensure_future(call_peer(
-                self.p2p, target, forward_handler(self.run_id), header, tensors,
-                timeout=self.request_timeout, max_payload_bytes=self.max_payload_bytes,
-            ))
-            self._calls.setdefault(target, set()).add(call)
+            started = time.monotonic()
             try:
-                return await call
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise  # we are cancelled, not the call
-                errors.append(f"{target[-6:]} went down")
-                logger.debug(f"microbatch {mb_id}: {target[-6:]} went down while serving it")
+                answer = await call_peer(
+                    self.p2p, target, forward_handler(self.run_id), header, tensors,
+                    timeout=self.call_timeout(), max_payload_bytes=self.max_payload_bytes,
+                )
+                self._durations.append(time.monotonic() - started)
+                return answer
             except (PeerUnavailableError, RemoteError) as e:
                 self.num_failures += 1
                 if getattr(e, "code", "") != "unrouted":  # it answered: only the stage after it failed
@@ -188,7 +194,6 @@ class Router:
                 errors.append(str(e))
                 logger.debug(f"microbatch {mb_id} failed at {target[-6:]}: {e}")
             finally:
-                self._calls.get(target, set()).discard(call)
                 self.in_flight[target] -= 1
                 if self.in_flight[target] <= 0:
                     del self.in_flight[target]

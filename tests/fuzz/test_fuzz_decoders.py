@@ -135,14 +135,15 @@ def test_manifest_from_wire_parses_or_raises_value_error(wire):
 
 
 @SETTINGS
-@given(near_valid({"mb_id": "mb-1", "route": [["QmPeer", 0, 3]], "batch_size": 4}))
+@given(near_valid({"mb_id": "mb-1", "route": [["QmPeer", 0, 3]], "batch_size": 4, "path": ["QmNext", "QmLast"]}))
 def test_forward_header_check_accepts_only_well_formed_headers(header):
     try:
-        mb_id, route, batch_size = _check_forward_header(header, 16, 1)
+        mb_id, route, batch_size, path = _check_forward_header(header, 16, 1, 3)
     except ProtocolError:
         return
-    assert isinstance(mb_id, str) and 1 <= len(mb_id) <= 128 and isinstance(batch_size, int) and 1 <= batch_size <= 16
-    assert len(route) == 1 and route[0][1] == 0
+    assert isinstance(mb_id, str) and 1 <= len(mb_id) <= 128 and type(batch_size) is int and 1 <= batch_size <= 16
+    assert len(route) == 1 and type(route[0][1]) is int and route[0][1] == 0 and 1 <= len(route[0][0]) <= 128
+    assert path is None or (len(path) == 2 and all(isinstance(p, str) for p in path))
 
 
 @SETTINGS
