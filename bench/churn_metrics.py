@@ -245,22 +245,36 @@ def detect_delays(crashes: Sequence[tuple[float, str | None]], lives: Iterable[P
 
 
 def recover_delays(crash_times: Sequence[float], done: Sequence[tuple[float, int]], capacity: Segments, *,
-                   window: float, threshold: float, end: float, step: float = 0.5) -> list[float | None]:
+                   window: float, threshold: float, end: float, step: float = 0.5,
+                   scales: Sequence[float] | None = None) -> list[float | None]:
     """For each crash at ``c``: the first ``s >= c`` (in ``step``s) such that stage-0 samples finished
-    in [s, s + window) reach ``threshold`` x the capacity online integrated over the same window;
-    ``s - c`` is the recovery time (0: no dip worth the name). None if no such window ends by ``end``."""
+    in [s, s + window) reach ``threshold`` x the capacity online integrated over the same window
+    (times ``scales[i]`` for the i-th crash, if given); ``s - c`` is the recovery time (0: no dip
+    worth the name). None if no such window ends by ``end``."""
     delays = []
-    for c in crash_times:
+    for i, c in enumerate(crash_times):
+        target = threshold * (scales[i] if scales is not None else 1.0)
         found, k = None, 0
         while c + k * step + window <= end:
             s = c + k * step
-            expected = integrate(capacity, s, s + window)
-            if samples_between(done, s, s + window) >= threshold * expected:
+            if samples_between(done, s, s + window) >= target * integrate(capacity, s, s + window):
                 found = s - c
                 break
             k += 1
         delays.append(found)
     return delays
+
+
+def pre_crash_ratios(crash_times: Sequence[float], done: Sequence[tuple[float, int]], capacity: Segments, *,
+                     before: float, start: float) -> list[float]:
+    """Goodput over capacity in the ``before`` seconds ending at each crash (from ``start`` at the
+    earliest), capped at 1: what "recovered" can mean on a machine whose speed drifts between runs."""
+    ratios = []
+    for c in crash_times:
+        a = max(start, c - before)
+        expected = integrate(capacity, a, c)
+        ratios.append(min(1.0, samples_between(done, a, c) / expected) if expected > 0 else 1.0)
+    return ratios
 
 
 def spread(values: Sequence[float | None]) -> dict:

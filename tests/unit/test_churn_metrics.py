@@ -10,7 +10,7 @@ import pytest
 from bench import churn
 from bench.churn_metrics import (
     PeerLife, capacity_segments, choose_victim, completions, count_double, count_losses, detect_delays, integrate,
-    make_trace, per_peer_rates, recover_delays, spread, stage_counts,
+    make_trace, per_peer_rates, pre_crash_ratios, recover_delays, spread, stage_counts,
 )
 
 T0 = 1_000.0  # the peers' unix times start here
@@ -155,6 +155,17 @@ def test_recovery_is_the_first_full_window_after_the_crash():
     assert recover_delays([T0 + 20], dead, capacity, window=5, threshold=0.9, end=T0 + 100) == [None]
 
 
+def test_recovery_against_the_ratio_before_the_crash_on_a_slower_machine():
+    capacity = [(T0, T0 + 100, 10.0)]
+    slow = [(T0 + k * 0.125, 1) for k in range(800)]  # 8 samples/s: 80 % of the capacity, before and after
+    assert recover_delays([T0 + 40], slow, capacity, window=5, threshold=0.9, end=T0 + 100) == [None]
+    ratios = pre_crash_ratios([T0 + 40, T0 + 5], slow, capacity, before=20, start=T0 + 2)
+    assert ratios == [pytest.approx(0.8), pytest.approx(0.8, abs=0.05)]
+    assert recover_delays([T0 + 40], slow, capacity, window=5, threshold=0.9, end=T0 + 100, scales=ratios[:1]) == [0.0]
+    fast = [(T0 + k * 0.05, 1) for k in range(2000)]  # above the linear capacity (peers sharing cores): capped at 1
+    assert pre_crash_ratios([T0 + 40], fast, capacity, before=20, start=T0) == [1.0]
+
+
 def test_a_mode_line_from_synthetic_peers():
     """summarize() end to end: 2 + 2 peers, a stage-1 crash at +30 s costs the window half of stage 1."""
     def peer(name, peer_id, stage, *, mb_every=None, gone_at=None, crashed=False, extra=()):
@@ -174,7 +185,17 @@ def test_a_mode_line_from_synthetic_peers():
     assert line["capacity_samples_per_s"] == pytest.approx((80 * 30 + 40 * 30) / 60)
     assert line["goodput_ratio"] == pytest.approx(80.0 / 60.0, rel=0.02)
     assert line["detect_seconds"]["max"] == pytest.approx(0.5)
-    assert line["recover_seconds"]["median"] == 0.0
+    assert line["recover_seconds"]["median"] == 0.0 and line["recover_seconds_vs_pre_crash"]["median"] == 0.0
+    assert [e["stage"] for e in line["trace"]] == [1] and line["capacity_source"] == "no_churn run"
     assert line["samples_lost"] is None and line["samples_double_counted"] is None  # no such events here
     assert line["events"] == {"crash": 1} and line["peers_per_stage_at_end"] == [2, 1]
     assert line["died_unasked"] == []
+
+
+def test_the_reported_trace_names_a_rejoiners_negotiated_stage():
+    lives = [life("peer6", peer_events("c", 1, trained_at=T0, until=T0 + 10)), PeerLife("peer7", [])]
+    assert churn.trace_entry({"at": 30.0, "t": T0, "kind": "rejoin", "peer": "peer6"}, lives) == \
+        {"at": 30.0, "kind": "rejoin", "peer": "peer6", "stage": 1}
+    assert churn.trace_entry({"at": 60.0, "t": T0, "kind": "rejoin", "peer": "peer7"}, lives)["stage"] is None
+    assert churn.trace_entry({"at": 90.0, "t": T0, "kind": "crash", "skipped": "no stage"}, lives) == \
+        {"at": 90.0, "kind": "crash", "skipped": True}
