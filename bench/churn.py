@@ -104,12 +104,13 @@ class TrackedPeer:
     """A peer process and an incremental reader of its events file (re-reading whole files each
     second would cost the peers CPU they are being measured on)."""
 
-    def __init__(self, proc, order: int) -> None:
-        self.proc, self.order = proc, order
+    def __init__(self, proc) -> None:
+        self.proc = proc
         self.events: list[dict] = []
         self.offset = 0
+        self.stage: int | None = None  # from its first status line: it trains
         self.gone_at: float | None = None
-        self.crashed = self.left = self.drained = self.died = False
+        self.crashed = self.left = self.drained = False
 
     @property
     def name(self) -> str:
@@ -127,17 +128,13 @@ class TrackedPeer:
             return
         for line in data[:end].splitlines():
             try:
-                self.events.append(json.loads(line))
+                event = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            self.events.append(event)
+            if self.stage is None and event.get("event") == "status":
+                self.stage = event.get("stage")
         self.offset += end + 1
-
-    @property
-    def stage(self) -> int | None:
-        for e in self.events:
-            if e.get("event") == "status":
-                return e.get("stage")
-        return None
 
     def is_training(self) -> bool:
         return self.gone_at is None and self.stage is not None and self.proc.is_alive()
@@ -162,7 +159,7 @@ def run_mode(mode: str, trace: list[TraceEvent], args: argparse.Namespace, workd
     applied: list[dict] = []
 
     def start_peer() -> TrackedPeer:
-        peer = TrackedPeer(swarm.start_peer(*peer_args), order=len(tracked))
+        peer = TrackedPeer(swarm.start_peer(*peer_args))
         tracked.append(peer)
         return peer
 
@@ -206,9 +203,17 @@ def watch_until(deadline: float, tracked: list[TrackedPeer]) -> None:
         for peer in tracked:
             peer.poll()
             if peer.gone_at is None and not peer.proc.is_alive():
-                peer.gone_at, peer.crashed, peer.died = now, True, True  # counted as a crash it was not asked for
+                peer.gone_at, peer.crashed = now, True  # a crash it was not asked for: "died_unasked"
             elif peer.left and peer.proc.is_alive() and now - peer.gone_at > LEAVE_KILL_AFTER:
-                os.killpg(peer.proc.pid, signal.SIGKILL)
+                kill_group(peer)
+
+
+def kill_group(peer: TrackedPeer) -> None:
+    """SIGKILL of the peer's process group: the peer, its DHT child and its p2pd, without warning."""
+    try:
+        os.killpg(peer.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it exited a moment ago
+        pass
 
 
 def apply_event(event: TraceEvent, tracked: list[TrackedPeer], start_peer) -> dict:
@@ -222,7 +227,7 @@ def apply_event(event: TraceEvent, tracked: list[TrackedPeer], start_peer) -> di
     peer = next(p for p in tracked if p.name == name)
     peer.gone_at = time.time()
     if event.kind == "crash":
-        os.killpg(peer.proc.pid, signal.SIGKILL)  # the peer, its DHT child and its p2pd, without warning
+        kill_group(peer)
         peer.crashed = True
     else:
         peer.proc.process.send_signal(signal.SIGINT)  # a graceful leave
@@ -339,7 +344,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-peers", type=int, default=4, help="the trace keeps at least this many peers (default 4)")
     parser.add_argument("--max-peers", type=int, default=7, help="and at most this many (default 7)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the churn trace and of the run (default 0)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, run in this order (default all)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, among no_churn,ours,baseline, run in that order (default all three)")
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds of training before the window (default 20)")
     parser.add_argument("--recover-window", type=float, default=5.0, help="sliding window of recover_seconds (default 5)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds for every peer to train (default 300)")
