@@ -44,10 +44,11 @@ Metrics, from the peers' events files (:mod:`bench.churn_metrics`):
   ``goodput_ratio`` = goodput / capacity online; it is 1 for no_churn by construction.
 * samples_lost: samples of microbatches "injected" by a stage-0 peer that did not crash and that
   exited cleanly after its leave (during the churn, or the SIGINT at the end), which that peer never
-  finished (no stage-0 "microbatch" with the same mb_id). What crashed stage-0 peers injected and
-  never finished is ``samples_lost_at_crashed_peers`` (the data owner died; no scheme recovers it),
-  and what a peer that did not exit cleanly after its SIGINT (killed after the grace period) never
-  finished, ``samples_pending_at_stop``.
+  finished (no stage-0 "microbatch" with the same mb_id) and did not list in its "unfinished" event
+  (what its trainer still held, waiting for a replay, when it stopped: ``samples_unfinished_at_stop``).
+  What crashed stage-0 peers injected and never finished is ``samples_lost_at_crashed_peers`` (the
+  data owner died; no scheme recovers it), and what a peer that did not exit cleanly after its
+  SIGINT (killed after the grace period) never finished, ``samples_pending_at_stop``.
 * samples_double_counted: per stage, over all its replicas (crashed ones up to their crash), samples
   of each mb_id "accumulated" more than once (times the extra count); ``..._live`` leaves out the
   crashed replicas' accumulations (their buffers died with them). The baseline's retries re-use the
@@ -309,6 +310,7 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
         "goodput_vs_no_churn": round(goodput / reference["goodput"], 3) if reference else None,
         "pre_churn_samples_per_s": round(pre_churn, 2),
         "samples_lost_at_crashed_peers": losses.lost_at_crashed_peers if losses else None,
+        "samples_unfinished_at_stop": losses.unfinished if losses else None,
         "samples_pending_at_stop": losses.pending_at_stop if losses else None,
         "samples_double_counted_live": count_double(lives, include_crashed=False),
         "num_injected": losses.num_injected if losses else None,

@@ -169,9 +169,10 @@ def samples_between(done: Sequence[tuple[float, int]], start: float, end: float)
 
 @dataclass(frozen=True)
 class Losses:
-    lost: int  # injected by a peer that drained cleanly after its SIGINT, never finished
+    lost: int  # injected by a peer that drained cleanly after its SIGINT, never finished, not reported unfinished
     lost_at_crashed_peers: int  # injected by a stage-0 peer the bench killed, never finished (its data died with it)
-    pending_at_stop: int  # injected by a peer that did not drain cleanly at the end (killed after the grace period)
+    unfinished: int  # still held (waiting for a replay) when a clean peer stopped: its "unfinished" event lists them
+    pending_at_stop: int  # injected by a peer that did not drain cleanly (killed after the grace period)
     num_injected: int
     num_replayed: int
 
@@ -181,26 +182,31 @@ def count_losses(lives: Iterable[PeerLife]) -> Losses | None:
     the same mb_id, on the same peer), split by how their peer ended; None without "injected" events.
 
     A peer that left gracefully during the churn counts like one that stayed to the end: a leave
-    drains the in-flight work, so anything a cleanly drained peer did not finish is lost.
+    drains the in-flight work, so anything a cleanly drained peer did not finish and did not list in
+    its "unfinished" event (what its trainer still held when it stopped) is lost.
     """
-    lost = crashed = pending = injected_count = replayed = 0
+    lost = crashed = unfinished = pending = injected_count = replayed = 0
     seen_injected = False
     for life in lives:
         injected = {e["mb_id"]: int(e.get("samples", 0)) for e in life.of_kind("injected")}
         seen_injected |= bool(injected)
         done = {e.get("mb_id") for e in life.of_kind("microbatch") if e.get("stage") == 0}
-        missing = sum(n for mb_id, n in injected.items() if mb_id not in done)
+        held = {mb_id for e in life.of_kind("unfinished") for mb_id in e.get("mb_ids", ())}
+        missing = {mb_id: n for mb_id, n in injected.items() if mb_id not in done}
         injected_count += len(injected)
         replayed += len(life.of_kind("replayed"))
         if life.crashed:
-            crashed += missing
-        elif life.drained:
-            lost += missing
+            crashed += sum(missing.values())
+            continue
+        unfinished += sum(n for mb_id, n in missing.items() if mb_id in held)
+        rest = sum(n for mb_id, n in missing.items() if mb_id not in held)
+        if life.drained:
+            lost += rest
         else:
-            pending += missing
+            pending += rest
     if not seen_injected:
         return None
-    return Losses(lost=lost, lost_at_crashed_peers=crashed, pending_at_stop=pending,
+    return Losses(lost=lost, lost_at_crashed_peers=crashed, unfinished=unfinished, pending_at_stop=pending,
                   num_injected=injected_count, num_replayed=replayed)
 
 

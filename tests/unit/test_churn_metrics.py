@@ -109,10 +109,12 @@ def test_losses_are_split_by_how_the_injecting_peer_ended():
         events += [{"t": T0 + 9, "event": "replayed", "mb_id": f"{peer_id}:3", "attempt": 1, "reason": "x"}]
         return PeerLife(peer_id, events, **kwargs)
 
+    held = stage0("e", gone_at=T0 + 6, drained=True)
+    held.events.append({"t": T0 + 10, "event": "unfinished", "stage": 0, "mb_ids": ["e:4"], "samples": 16})
     losses = count_losses([stage0("a", drained=True), stage0("b", gone_at=T0 + 5, crashed=True), stage0("c"),
-                           stage0("d", gone_at=T0 + 6, drained=True)])
-    assert (losses.lost, losses.lost_at_crashed_peers, losses.pending_at_stop) == (64, 32, 32)
-    assert (losses.num_injected, losses.num_replayed) == (20, 4)
+                           stage0("d", gone_at=T0 + 6, drained=True), held])
+    assert (losses.lost, losses.lost_at_crashed_peers, losses.unfinished, losses.pending_at_stop) == (80, 32, 16, 32)
+    assert (losses.num_injected, losses.num_replayed) == (25, 5)
     assert count_losses([PeerLife("x", [{"t": T0, "event": "microbatch", "stage": 0, "mb_id": "x:0"}])]) is None
 
 
