@@ -63,6 +63,8 @@ def test_a_victim_never_leaves_its_stage_without_a_training_peer():
     assert picks == {"peer1", "peer2", "peer3"}
     assert choose_victim(0.0, training) == "peer1" and choose_victim(0.999, training) == "peer3"
     assert choose_victim(0.5, [("peer0", 0), ("peer1", 1)]) is None
+    mixed = [("peer0", 1), ("peer1", 0), ("peer2", 1), ("peer3", 0)]  # by stage, then start order
+    assert [choose_victim(k / 4, mixed) for k in range(4)] == ["peer1", "peer3", "peer0", "peer2"]
 
 
 # ---- synthetic peers -------------------------------------------------------------------------
