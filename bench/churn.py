@@ -61,7 +61,8 @@ Metrics, from the peers' events files (:mod:`bench.churn_metrics`):
   the kill time (0: no dip). Median and max; ``num_missing``: never back before the window closed.
   On a machine whose speed drifts between modes, the absolute 90 % may never be reached:
   ``recover_seconds_vs_pre_crash`` asks instead for 90 % of the goodput ratio of the 20 s before the
-  crash (at most 1).
+  crash (above 1 where peers share cores: there, a thinned swarm's survivors get more CPU each, so
+  only this variant sees a stall that the linear capacity hides).
 
 Prints one JSON line per mode: ``{"bench": "churn", "mode", "goodput_ratio", "samples_lost",
 "samples_double_counted", "detect_seconds", "recover_seconds", ...}``; the baseline's line carries
@@ -82,6 +83,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -353,7 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds for stage-0 peers to drain at the end")
     parser.add_argument("--peer-arg", action="append", default=[], help="extra run_peer.py argument (repeat, e.g. "
                         "--peer-arg=--max-in-flight --peer-arg=8)")
-    parser.add_argument("--keep-dir", type=Path, default=None, help="keep logs and events files here")
+    parser.add_argument("--keep-dir", type=Path, default=None, help="keep logs, events files and each mode's "
+                        "run.json here")
+    parser.add_argument("--reanalyze", type=Path, default=None, help="start nothing: print the lines again from "
+                        "a --keep-dir of an earlier run")
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     if not args.modes or set(args.modes) - set(MODES):
@@ -365,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reanalyze is not None:
+        return reanalyze(args)
     try:
         trace = make_trace(args.seed, duration=args.minutes * 60, period=args.event_period, num_peers=args.peers,
                            min_peers=args.min_peers, max_peers=args.max_peers)
@@ -374,24 +381,67 @@ def main(argv: list[str] | None = None) -> int:
     has_recovery = supported_recovery_flag()
     if not has_recovery:
         print("run_peer.py has no --recovery flag: every mode runs the peer's one recovery", file=sys.stderr)
-    order = sorted(args.modes, key=MODES.index)  # no_churn first: the others' capacity comes from it
-    reference, goodputs = None, {}
+    lines: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
         workdir = args.keep_dir or Path(tmp)
-        for mode in order:
+        for mode in sorted(args.modes, key=MODES.index):  # no_churn first: the others' capacity comes from it
             run = run_mode(mode, trace, args, workdir, has_recovery=has_recovery)
-            line = summarize(mode, run, args, reference=reference,
-                             recovery=RECOVERY[mode] if has_recovery else "unsupported")
-            if mode == "no_churn":
-                reference = reference_of(run)
-            goodputs[mode] = line
-            if mode == "baseline" and "ours" in goodputs and line["goodput_samples_per_s"] > 0:
-                ours = goodputs["ours"]
-                line["ours_over_baseline"] = {
-                    "goodput": round(ours["goodput_samples_per_s"] / line["goodput_samples_per_s"], 3),
-                    "goodput_ratio": round(ours["goodput_ratio"] / line["goodput_ratio"], 3)
-                    if ours["goodput_ratio"] and line["goodput_ratio"] else None}
-            print(json.dumps(line), flush=True)
+            run["settings"] = {"peers": args.peers, "event_period": args.event_period, "seed": args.seed,
+                               "recovery": RECOVERY[mode] if has_recovery else "unsupported"}
+            if args.keep_dir is not None:
+                save_run(run, workdir / mode / "run.json")
+            report(mode, run, args, lines)
+    return 0
+
+
+def report(mode: str, run: dict, args: argparse.Namespace, lines: dict[str, dict]) -> None:
+    """Prints the mode's line; ``lines`` holds the lines printed before (no_churn's gives the capacity)."""
+    settings = argparse.Namespace(recover_window=args.recover_window, **{k: v for k, v in run["settings"].items()
+                                                                          if k != "recovery"})
+    reference = lines["no_churn"]["_reference"] if "no_churn" in lines else None
+    line = summarize(mode, run, settings, reference=reference, recovery=run["settings"]["recovery"])
+    baseline, ours = line, lines.get("ours")
+    if mode == "baseline" and ours is not None and baseline["goodput_samples_per_s"] > 0:
+        line["ours_over_baseline"] = {
+            "goodput": round(ours["goodput_samples_per_s"] / baseline["goodput_samples_per_s"], 3),
+            "goodput_ratio": round(ours["goodput_ratio"] / baseline["goodput_ratio"], 3)
+            if ours["goodput_ratio"] and baseline["goodput_ratio"] else None}
+    print(json.dumps(line), flush=True)
+    lines[mode] = {**line, "_reference": reference_of(run) if mode == "no_churn" else None}
+
+
+def save_run(run: dict, path: Path) -> None:
+    """What the events files do not say (window, applied trace, how each peer ended), for --reanalyze."""
+    peers = [{"name": p.name, "events_file": p.proc.metrics_path.name, "gone_at": p.gone_at, "crashed": p.crashed,
+              "drained": p.drained} for p in run["peers"]]
+    path.write_text(json.dumps({"window": run["window"], "applied": run["applied"], "settings": run["settings"],
+                                "peers": peers}))
+
+
+def load_run(path: Path) -> dict:
+    saved = json.loads(path.read_text())
+    peers = []
+    for p in saved["peers"]:
+        events = []
+        for line in (path.parent / p.pop("events_file")).read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # the last line of a killed peer
+        peers.append(SimpleNamespace(events=events, **p))
+    return {**saved, "window": tuple(saved["window"]), "peers": peers}
+
+
+def reanalyze(args: argparse.Namespace) -> int:
+    """The lines again from a --keep-dir of an earlier run (e.g. with another --recover-window)."""
+    lines: dict[str, dict] = {}
+    for mode in MODES:
+        path = args.reanalyze / mode / "run.json"
+        if path.exists():
+            report(mode, load_run(path), args, lines)
+    if not lines:
+        print(f"bench/churn.py: no <mode>/run.json under {args.reanalyze}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -166,8 +166,12 @@ def test_recovery_against_the_ratio_before_the_crash_on_a_slower_machine():
     ratios = pre_crash_ratios([T0 + 40, T0 + 5], slow, capacity, before=20, start=T0 + 2)
     assert ratios == [pytest.approx(0.8), pytest.approx(0.8, abs=0.05)]
     assert recover_delays([T0 + 40], slow, capacity, window=5, threshold=0.9, end=T0 + 100, scales=ratios[:1]) == [0.0]
-    fast = [(T0 + k * 0.05, 1) for k in range(2000)]  # above the linear capacity (peers sharing cores): capped at 1
-    assert pre_crash_ratios([T0 + 40], fast, capacity, before=20, start=T0) == [1.0]
+    fast = [(T0 + k * 0.05, 1) for k in range(2000) if not T0 + 40 <= T0 + k * 0.05 < T0 + 42]  # 2x the capacity
+    ratios = pre_crash_ratios([T0 + 40], fast, capacity, before=20, start=T0)
+    assert ratios == [pytest.approx(2.0)]
+    assert recover_delays([T0 + 40], fast, capacity, window=5, threshold=0.9, end=T0 + 100) == [0.0]
+    assert recover_delays([T0 + 40], fast, capacity, window=5, threshold=0.9, end=T0 + 100,
+                          scales=ratios) == [pytest.approx(1.5)]  # the 2 s stall, less 10 % of the window
 
 
 def test_a_mode_line_from_synthetic_peers():
@@ -203,3 +207,27 @@ def test_the_reported_trace_names_a_rejoiners_negotiated_stage():
     assert churn.trace_entry({"at": 60.0, "t": T0, "kind": "rejoin", "peer": "peer7"}, lives)["stage"] is None
     assert churn.trace_entry({"at": 90.0, "t": T0, "kind": "crash", "skipped": "no stage"}, lives) == \
         {"at": 90.0, "kind": "crash", "skipped": True}
+
+
+def test_a_kept_run_is_reanalyzed_into_the_same_lines(tmp_path, capsys):
+    import json
+
+    for mode in ("no_churn", "ours"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        peers = []
+        for i, (peer_id, stage) in enumerate((("a0", 0), ("b0", 1), ("b1", 1))):
+            events = peer_events(peer_id, stage, trained_at=T0 - 20, until=T0 + 60, mb_every=0.5 if stage == 0 else None)
+            (folder / f"peer{i}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"t": 1')  # torn tail
+            crashed = mode == "ours" and i == 2
+            peers.append(SimpleNamespace(name=f"peer{i}", proc=SimpleNamespace(metrics_path=folder / f"peer{i}.jsonl"),
+                                         gone_at=T0 + 30 if crashed else None, crashed=crashed, drained=stage == 0))
+        applied = [{"at": 30.0, "t": T0 + 30, "kind": "crash", "peer": "peer2", "stage": 1}] if mode == "ours" else []
+        churn.save_run({"window": (T0, T0 + 60), "applied": applied, "peers": peers,
+                        "settings": {"peers": 3, "event_period": 30.0, "seed": 0, "recovery": "replay"}},
+                       folder / "run.json")
+    assert churn.main(["--reanalyze", str(tmp_path)]) == 0
+    no_churn, ours = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert no_churn["mode"] == "no_churn" and no_churn["goodput_ratio"] == pytest.approx(1.0)
+    assert ours["capacity_source"] == "no_churn run" and ours["events"] == {"crash": 1}
+    assert ours["capacity_samples_per_s"] == pytest.approx(32 * (30 + 15) / 60, rel=0.02)  # stage 1 halved at +30 s
