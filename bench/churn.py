@@ -55,7 +55,8 @@ Metrics, from the peers' events files (:mod:`bench.churn_metrics`):
   mb_id only if the peer does; retries under new ids are not seen as duplicates here.
 * detect_seconds: per crash, the first "peer_down" about the victim on any other peer minus the kill
   time: median and max (``num_missing``: crashes no one reported). ``leave_detect_seconds`` likewise
-  for graceful leaves, from the SIGINT, counting "notice" events too.
+  for graceful leaves, from the SIGINT, counting "notice" events too. ``false_suspicions``: "peer_down"
+  events (not from a leave notice) about a peer the bench had neither killed nor signalled by then.
 * recover_seconds: per crash, the first s after the kill such that stage-0 goodput over
   [s, s + ``--recover-window``) reaches 90 % of the capacity online over the same window; s minus
   the kill time (0: no dip). Median and max; ``num_missing``: never back before the window closed.
@@ -90,7 +91,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.churn_metrics import (  # noqa: E402
     PeerLife, TraceEvent, capacity_segments, choose_victim, completions, count_double, count_losses, detect_delays,
-    integrate, make_trace, per_peer_rates, pre_crash_ratios, recover_delays, samples_between, spread, stage_counts,
+    false_suspicions, integrate, make_trace, per_peer_rates, pre_crash_ratios, recover_delays, samples_between, spread, stage_counts,
 )
 
 MODES = ("no_churn", "ours", "baseline")
@@ -291,6 +292,7 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
     leaves = [(e["t"], next(life.peer_id for life in lives if life.name == e["peer"]))
               for e in run["applied"] if e["kind"] == "leave" and "peer" in e]
     crash_times = [t for t, _ in crashes]
+    suspicions = false_suspicions(lives)
     losses = count_losses(lives)
     kinds = Counter(e["kind"] for e in run["applied"] if "skipped" not in e)
     alive_at_end = [life for life in lives if life.gone_at is None]
@@ -317,6 +319,8 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
         "samples_double_counted_live": count_double(lives, include_crashed=False),
         "num_injected": losses.num_injected if losses else None,
         "num_replayed": losses.num_replayed if losses else None,
+        "false_suspicions": len(suspicions),
+        "false_suspicions_by_how": dict(Counter(f["how"] for f in suspicions)),
         "leave_detect_seconds": spread(detect_delays(leaves, lives, kinds=("peer_down", "notice"))),
         "events": dict(kinds), "num_skipped": sum("skipped" in e for e in run["applied"]),
         "died_unasked": [life.name for life in lives if life.crashed and not any(

@@ -254,6 +254,22 @@ def detect_delays(crashes: Sequence[tuple[float, str | None]], lives: Iterable[P
     return delays
 
 
+def false_suspicions(lives: Sequence[PeerLife]) -> list[dict]:
+    """"peer_down" events not from a leave notice about a peer that was still up: the bench had neither
+    killed it nor signalled its leave by then. (A re-dispatch on such a suspicion sends a microbatch a
+    second time while the suspect may still finish the first.)"""
+    gone = {life.peer_id: life.gone_at for life in lives if life.peer_id}
+    found = []
+    for life in lives:
+        for e in life.of_kind("peer_down"):
+            suspect, how = e.get("peer_id"), e.get("how")
+            if how == "notice" or suspect not in gone:
+                continue
+            if gone[suspect] is None or gone[suspect] > e["t"]:
+                found.append({"t": e["t"], "by": life.name, "suspect": suspect, "how": how})
+    return sorted(found, key=lambda f: f["t"])
+
+
 def recover_delays(crash_times: Sequence[float], done: Sequence[tuple[float, int]], capacity: Segments, *,
                    window: float, threshold: float, end: float, step: float = 0.5,
                    scales: Sequence[float] | None = None) -> list[float | None]:

@@ -10,7 +10,7 @@ import pytest
 from bench import churn
 from bench.churn_metrics import (
     PeerLife, capacity_segments, choose_victim, completions, count_double, count_losses, detect_delays, integrate,
-    make_trace, per_peer_rates, pre_crash_ratios, recover_delays, spread, stage_counts,
+    false_suspicions, make_trace, per_peer_rates, pre_crash_ratios, recover_delays, spread, stage_counts,
 )
 
 T0 = 1_000.0  # the peers' unix times start here
@@ -231,3 +231,17 @@ def test_a_kept_run_is_reanalyzed_into_the_same_lines(tmp_path, capsys):
     assert no_churn["mode"] == "no_churn" and no_churn["goodput_ratio"] == pytest.approx(1.0)
     assert ours["capacity_source"] == "no_churn run" and ours["events"] == {"crash": 1}
     assert ours["capacity_samples_per_s"] == pytest.approx(32 * (30 + 15) / 60, rel=0.02)  # stage 1 halved at +30 s
+
+
+def test_a_peer_reported_down_while_it_was_up_is_a_false_suspicion():
+    def down(t, suspect, how):
+        return {"t": t, "event": "peer_down", "peer_id": suspect, "how": how}
+
+    observer = PeerLife("o", [{"t": T0, "event": "joined", "peer_id": "o", "stage": 0},
+                              down(T0 + 5, "up", "detector"), down(T0 + 12, "killed", "detector"),
+                              down(T0 + 8, "killed", "gossip"), down(T0 + 13, "left", "notice"),
+                              down(T0 + 14, "left", "detector"), down(T0 + 15, "stranger", "call")])
+    lives = [observer, PeerLife("u", [{"t": T0, "event": "joined", "peer_id": "up", "stage": 1}]),
+             PeerLife("k", [{"t": T0, "event": "joined", "peer_id": "killed", "stage": 1}], gone_at=T0 + 10, crashed=True),
+             PeerLife("l", [{"t": T0, "event": "joined", "peer_id": "left", "stage": 1}], gone_at=T0 + 13)]
+    assert [(f["suspect"], f["how"]) for f in false_suspicions(lives)] == [("up", "detector"), ("killed", "gossip")]
