@@ -27,7 +27,12 @@ class PeerUnavailableError(RuntimeError):
 
 
 class RemoteError(RuntimeError):
-    """The peer answered, but refused the request; the message says why."""
+    """The peer answered, but refused the request; the message says why, ``code`` what kind of refusal
+    it was when the peer said (e.g. ``"unrouted"``: it could not pass the request on downstream)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 # What reaching a peer can fail with: the daemon could not dial or open the stream, the stream was
@@ -37,7 +42,10 @@ _UNREACHABLE = (OSError, EOFError, asyncio.TimeoutError, asyncio.IncompleteReadE
 
 class Declined(RuntimeError):
     """A handler's polite refusal of a well-formed request (leaving, nowhere to route it): answered
-    with the reason and logged at DEBUG, unlike bad input, which is a ``ProtocolError``/``ValueError``."""
+    with the reason (and ``code``, if any) and logged at DEBUG, unlike bad input, which is a
+    ``ProtocolError``/``ValueError``."""
+
+    code = ""
 
 
 Process = Callable[[dict[str, Any], list[torch.Tensor]], Awaitable[tuple[dict[str, Any], Sequence[torch.Tensor]]]]
@@ -74,7 +82,7 @@ async def serve_request(
         reply, outcome = {"ok": False, "error": str(e)[:500]}, "refused"
     except Declined as e:
         logger.debug(f"declined a {what} request: {e}")
-        reply, outcome = {"ok": False, "error": str(e)[:500]}, "declined"
+        reply, outcome = {"ok": False, "error": str(e)[:500], **({"code": e.code} if e.code else {})}, "declined"
     except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
         logger.debug(f"{what} request abandoned: {e!r}")
         on_outcome("abandoned")
@@ -140,5 +148,7 @@ async def call_peer(
         if writer is not None:
             writer.close()
     if reply.get("ok") is not True:
-        raise RemoteError(f"{peer_id[-6:]} refused: {str(reply.get('error', 'no reason given'))[:300]}")
+        code = reply.get("code")
+        raise RemoteError(f"{peer_id[-6:]} refused: {str(reply.get('error', 'no reason given'))[:300]}",
+                          code=code[:32] if isinstance(code, str) else "")
     return reply, reply_tensors

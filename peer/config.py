@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from dht.records import check_run_id
 
+RECOVERY_MODES = ("replay", "restart")  # see swarm/task_pool.py
+
 DEFAULT_HOST_MADDR = "/ip4/0.0.0.0/tcp/0"
 
 
@@ -57,6 +59,7 @@ class PeerConfig:
     quiet: bool = field(default=False, metadata=_help("print only warnings and errors (for services): no terminal view, log level WARNING"))
     verbose: bool = field(default=False, metadata=_help("debug logging (log level DEBUG)"))
     pause_file: str | None = field(default=None, metadata=_help("creating this file pauses the peer without leaving the swarm, deleting it resumes (SIGUSR1 toggles pause too)"))
+    recovery: str = field(default="replay", metadata=_help("what a broken microbatch route costs: replay (re-send it at the failed hop, replay it from stage 0 with the same id and path, nothing counted twice) or restart (the SWARM baseline: start it over from stage 0, no de-duplication; for benchmarks)"))
     max_upload_mbps: float = field(default=0.0, metadata=_help("cap on what this peer uploads (activations, gradients, state shards), Mbit/s (0: no cap); hivemind's DHT and averaging traffic is not counted"))
     checkpoint_dir: str | None = field(default=None, metadata=_help("write this peer's stage to <dir>/<run>-stage<k>.safetensors every --checkpoint-period seconds and on leave; the first peer of a stage with no live holder resumes from it"))
     checkpoint_period: float = field(default=300.0, metadata=_help("seconds between checkpoints when --checkpoint-dir is given"))
@@ -89,6 +92,8 @@ class PeerConfig:
         for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain", "max_upload_mbps"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
+        if self.recovery not in RECOVERY_MODES:
+            raise ValueError(f"--recovery must be one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("--log-level must be DEBUG, INFO, WARNING or ERROR")
 

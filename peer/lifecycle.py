@@ -25,6 +25,7 @@ import torch
 
 from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import PeerRecord, RunSpec
+from dht.reputation import Reputation
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
 from dht.registry import declare_peer, dht_time
 from peer.checkpoint import CheckpointError, WriteProgress, checkpoint_path, load_checkpoint, save_checkpoint
@@ -40,11 +41,13 @@ from planner.stage_choice import StageMember, StageMove, choose_move
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
-from swarm.membership import MembershipNotices
+from swarm.failure_detector import FailureDetector
+from swarm.membership import MembershipNotices, membership_handler
 from swarm.model import stage_flops_per_sample
 from swarm.router import Router
 from swarm.stage import Stage
 from swarm.stage_server import StageServer
+from swarm.task_pool import MicrobatchLedger
 from swarm.trainer import Trainer
 from swarm.view import SwarmView
 
@@ -52,6 +55,7 @@ logger = logging.getLogger(__name__)
 MIB = 2**20
 LEAVE_TIMEOUT = 10.0
 PAUSE_FILE_PERIOD = 0.5
+RUMOUR_CHECK_TIMEOUT = 0.5  # seconds a peer waits for a ping answer before it believes a crash rumour
 
 
 class Peer:
@@ -71,6 +75,10 @@ class Peer:
         self.status_protocol: StatusProtocol | None = None  # /murmuration/status/1.0.0 for any libp2p client
         self.averager: StageAverager | None = None
         self.trainer: Trainer | None = None
+        self.router: Router | None = None  # to the next stage (None on the last)
+        self.detector: FailureDetector | None = None
+        self._background_tasks: set[asyncio.Task] = set()
+        self.reputation = Reputation(on_ban=lambda peer_id, reason: self.metrics.write("banned", peer_id=peer_id, reason=reason))
         self.peer_id = ""
         self.maddrs: tuple[str, ...] = ()
         self._corpus = b""
@@ -131,12 +139,13 @@ class Peer:
         stage_index = config.stage
         if stage_index >= self.spec.num_stages:
             raise UserError(f"--stage {stage_index} does not exist: run {self.spec.run_id} has {self.spec.num_stages} stages (0-{self.spec.num_stages - 1}).")
+        snapshot = []  # the view the stage was negotiated on (none for a peer pinned with --stage)
         if stage_index < 0:
             await self._heartbeat_once(stage=-1)
             stage_index, snapshot = await negotiate_stage(self.view, self.spec, self.peer_id,
                                                           settle_delay=config.settle_delay, timeout=config.join_timeout)
-            self.metrics.write("joined", peer_id=self.peer_id, stage=stage_index, flops=self.flops,
-                               snapshot=[r.to_wire() for r in snapshot])
+        self.metrics.write("joined", peer_id=self.peer_id, stage=stage_index, flops=self.flops,
+                           snapshot=[r.to_wire() for r in snapshot])
         self._check_memory(stage_index, device)
         self.stage = Stage(self.spec, stage_index, device=device)
         self.state = "syncing"
@@ -248,21 +257,30 @@ class Peer:
         config, spec, stage = self.config, self.spec, self.stage
         max_payload = int(config.max_payload_mb * MIB)
         router = None
+        replay = config.recovery == "replay"
         if not stage.is_last:
             router = Router(self.p2p, self.view, run_id=spec.run_id, next_stage=stage.index + 1,
                             next_stage_flops=stage_flops_per_sample(spec, stage.index + 1),
                             request_timeout=config.request_timeout, max_payload_bytes=max_payload,
-                            rng=random.Random(f"{spec.seed}:{self.peer_id}"))
+                            rng=random.Random(f"{spec.seed}:{self.peer_id}"), sticky=replay,
+                            max_attempts=3 if replay else 1, reputation=self.reputation)
+        self.router = router
         self.server = StageServer(self.p2p, stage, peer_id=self.peer_id, router=router,
                                   request_timeout=config.request_timeout, max_payload_bytes=max_payload,
-                                  on_microbatch=self._on_microbatch)
+                                  on_microbatch=self._on_microbatch, on_event=self._on_stage_event,
+                                  ledger=MicrobatchLedger() if replay else None, reputation=self.reputation)
         await self.server.start()
         self.replication = ReplicationServer(self.p2p, run_id=spec.run_id, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout)
         await self.replication.start()
         self.notices = MembershipNotices(self.p2p, self.view, run_id=spec.run_id, peer_id=self.peer_id,
-                                         on_notice=lambda notice: self.metrics.write("notice", **notice))
+                                         on_notice=self._on_notice, on_rumour=self._on_rumour,
+                                         reputation=self.reputation)
         await self.notices.start()
+        self.detector = FailureDetector(self.p2p, self.view, peer_id=self.peer_id, stage=stage.index,
+                                        handler=membership_handler(spec.run_id), on_down=self._peer_down,
+                                        on_link=self._on_link)
+        self.view.on_change = self._on_view_change
         self.averager = StageAverager(stage, self.dht, self.view, client_mode=self.role == "unreliable" or config.client_mode,
                                       on_round=self._on_round)
         self.view.start()
@@ -276,10 +294,13 @@ class Peer:
             ("averaging", self.averager.run(train_stop)),
             ("status", self._status_loop(train_stop)),
             ("history", self._history_loop(train_stop)),
+            ("failure-detector", self.detector.run(train_stop)),
         )]
         if stage.is_first:
             self.trainer = Trainer(stage, self._make_sampler(), router, peer_id=self.peer_id,
-                                   max_in_flight=config.max_in_flight, on_microbatch=self._on_microbatch)
+                                   max_in_flight=config.max_in_flight, on_microbatch=self._on_microbatch,
+                                   on_event=self._on_stage_event, sticky=replay,
+                                   stage_flops=[stage_flops_per_sample(spec, k) for k in range(spec.num_stages)])
             self._tasks.append(asyncio.create_task(self.trainer.run(train_stop), name="trainer"))
         if config.pause_file:  # after the trainer exists, so a pause reaches it
             self._tasks.append(asyncio.create_task(self._pause_file_loop(train_stop), name="pause-file"))
@@ -404,6 +425,7 @@ class Peer:
             if closer:
                 closer()
         self._tasks, self.trainer, self.server, self.replication, self.notices, self.averager = [], None, None, None, None, None
+        self.router = self.detector = None
 
     def _record(self, stage: int | None = None) -> PeerRecord:
         counters = self.stage.counters if self.stage else None
@@ -465,6 +487,65 @@ class Peer:
 
     def _on_microbatch(self, event: dict) -> None:
         self.metrics.write("microbatch", stage=self.stage.index, **event)
+
+    def _on_stage_event(self, event: str, **fields) -> None:
+        self.metrics.write(event, stage=self.stage.index, **fields)
+
+    def _on_notice(self, notice: dict) -> None:
+        self.metrics.write("notice", **notice)
+        if notice.get("kind") == "leave":
+            self._peer_down(notice["peer_id"], "notice")
+
+    def _peer_down(self, peer_id: str, how: str) -> None:
+        """``peer_id`` is gone (scale-in, seed 003 §IV): stop routing to it, re-send what waits on it
+        (see swarm/router.py) and, if this peer's own detector found out, tell the others."""
+        started = time.perf_counter()
+        self.view.mark_departed(peer_id)
+        abandoned = self.router.peer_down(peer_id) if self.router is not None else 0
+        handle_ms = (time.perf_counter() - started) * 1e3  # the local handling, no network I/O
+        self.metrics.write("peer_down", peer_id=peer_id, how=how, abandoned=abandoned, handle_ms=handle_ms)
+        self.metrics.write("primitive", kind="scale_in", peer_id=peer_id, how=how, handle_ms=handle_ms)
+        if how == "detector" and self.notices is not None:
+            self._background(self.notices.gossip_failure(peer_id), "gossip")
+
+    def _on_view_change(self, kind: str, record: PeerRecord) -> None:
+        """Seed 003 §IV scale-out / scale-in as a view refresh sees them (a peer starts or stops
+        training at a stage). The router and the detector read the view, so handling is bookkeeping:
+        a peer back at work is no longer avoided."""
+        started = time.perf_counter()
+        if kind == "scale_out" and self.router is not None and record.stage == self.router.next_stage:
+            self.router.failed_until.pop(record.peer_id, None)
+        self.metrics.write("primitive", kind=kind, peer_id=record.peer_id, stage=record.stage, how="view",
+                           handle_ms=(time.perf_counter() - started) * 1e3)
+
+    def _on_link(self, kind: str, peer_id: str) -> None:
+        """Seed 003 §IV disconnect-link / connect-link: a neighbour missed a ping (route around it for
+        now, without declaring it down) or answers again (route to it again)."""
+        started = time.perf_counter()
+        if self.router is not None:
+            if kind == "disconnect_link":
+                self.router.failed_until[peer_id] = time.monotonic() + self.router.failure_cooldown
+            else:
+                self.router.failed_until.pop(peer_id, None)
+        self.metrics.write("primitive", kind=kind, peer_id=peer_id, handle_ms=(time.perf_counter() - started) * 1e3)
+
+    def _on_rumour(self, peer_id: str, sender: str) -> None:
+        """Another peer says ``peer_id`` crashed: believe it only if it does not answer us either."""
+        detector = self.detector
+        if detector is None or peer_id in detector.down or not any(r.peer_id == peer_id for r in self.view.records):
+            return
+
+        async def verify() -> None:
+            if not await detector.check(peer_id, timeout=RUMOUR_CHECK_TIMEOUT):
+                detector.declare_down(peer_id, "gossip")
+            else:
+                logger.info(f"{sender[-6:]} said {peer_id[-6:]} failed, but it answers us")
+        self._background(verify(), "verify-rumour")
+
+    def _background(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background_tasks.add(task)
+        task.add_done_callback(self._background_tasks.discard)
 
     def _on_round(self, at: float, group_size: int, digest: str) -> None:
         self.averaged = (at, digest)

@@ -62,8 +62,9 @@ class PeerCollector(Collector):
         yield from self._queues()
         yield from self._averaging()
         yield from self._failures()
-        # no peer is banned yet (nothing bans): the counter exists so dashboards and alerts can rely on it
-        yield _counter("murmuration_bans", "peers this peer has banned for misbehaviour", 0)
+        reputation = getattr(self.peer, "reputation", None)
+        yield _counter("murmuration_bans", "peers this peer has banned for misbehaviour (dht/reputation.py)",
+                       reputation.num_bans if reputation is not None else 0)
 
     def _queues(self) -> Iterator[Metric]:
         stage, server, router = (getattr(self.peer, name, None) for name in ("stage", "server", "router"))

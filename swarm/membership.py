@@ -8,6 +8,10 @@ record expires (DESIGN §1 step 7, seed 003 §IV scale-in).
 
 A notice is accepted only about the peer that sends it (libp2p authenticates the stream's remote
 peer id), so nobody can announce someone else's departure.
+
+The same protocol carries the failure detector's traffic (:mod:`swarm.failure_detector`): ``ping``
+(answered at once) and ``failed`` — a rumour that a third peer crashed. A rumour is never taken on
+trust: ``on_rumour`` hands it to the detector, which pings the named peer itself.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
+from dht.reputation import Reputation
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 NOTICE_TIMEOUT = 1.0
-KINDS = ("leave",)
+KINDS = ("leave", "ping", "failed")
+MAX_PEER_ID_CHARS = 128
 
 
 def membership_handler(run_id: str) -> str:
@@ -39,9 +45,11 @@ class MembershipNotices:
     def __init__(
         self, p2p: P2P, view: SwarmView, *, run_id: str, peer_id: str,
         on_notice: Callable[[dict[str, Any]], None] = lambda notice: None,
+        on_rumour: Callable[[str, str], None] = lambda peer_id, sender: None,
+        reputation: Reputation | None = None,
     ) -> None:
         self.p2p, self.view, self.run_id, self.peer_id = p2p, view, run_id, peer_id
-        self.on_notice = on_notice
+        self.on_notice, self.on_rumour, self.reputation = on_notice, on_rumour, reputation
         self.num_refused = 0
 
     async def start(self) -> None:
@@ -53,22 +61,39 @@ class MembershipNotices:
         except Exception as e:  # the daemon may already be gone
             logger.debug(f"could not remove the membership handler: {e!r}")
 
-    def _count(self, outcome: str) -> None:
-        self.num_refused += outcome == "refused"
-
     async def rpc_notify(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # authenticated by libp2p: a notice speaks only for its sender
+        if self.reputation is not None and self.reputation.is_banned(sender):
+            self.num_refused += 1
+            writer.close()
+            return
+
+        def count(outcome: str) -> None:
+            if outcome == "refused":
+                self.num_refused += 1
+                if self.reputation is not None:
+                    self.reputation.strike(sender, "sent a malformed membership notice")
 
         async def process(header: dict[str, Any], _tensors: list) -> tuple[dict[str, Any], list]:
-            if header.get("kind") not in KINDS:
-                raise ProtocolError(f"unknown notice kind {header.get('kind')!r:.40}")
+            kind = header.get("kind")
+            if kind not in KINDS:
+                raise ProtocolError(f"unknown notice kind {kind!r:.40}")
+            if kind == "ping":
+                return {"ok": True}, []
+            if kind == "failed":
+                peer = header.get("peer")
+                if not isinstance(peer, str) or not 1 <= len(peer) <= MAX_PEER_ID_CHARS:
+                    raise ProtocolError("a failure rumour must name a peer id")
+                if peer != self.peer_id:  # a rumour of our own death is plainly false
+                    self.on_rumour(peer, sender)
+                return {"ok": True}, []
             self.view.mark_departed(sender)
             logger.info(f"{sender[-6:]} announced its {header['kind']}")
             self.on_notice({"kind": header["kind"], "peer_id": sender})
             return {"ok": True}, []
 
         await serve_request(reader, writer, process, max_payload_bytes=0, timeout=NOTICE_TIMEOUT,
-                            what="membership", on_outcome=self._count)
+                            what="membership", on_outcome=count)
 
     async def announce_leave(self) -> int:
         """Tell every peer in the view that this peer leaves; returns how many acknowledged."""
@@ -78,9 +103,15 @@ class MembershipNotices:
         logger.info(f"told {sum(results)}/{len(targets)} peers that this peer leaves ({time.monotonic() - started:.2f}s)")
         return sum(results)
 
-    async def _notify(self, peer_id: str, kind: str) -> bool:
+    async def gossip_failure(self, failed: str) -> int:
+        """Tell every other peer in the view that ``failed`` crashed; returns how many acknowledged."""
+        targets = [r.peer_id for r in self.view.records if r.peer_id not in (self.peer_id, failed)]
+        results = await asyncio.gather(*(self._notify(peer_id, "failed", peer=failed) for peer_id in targets))
+        return sum(results)
+
+    async def _notify(self, peer_id: str, kind: str, **fields: Any) -> bool:
         try:
-            await call_peer(self.p2p, peer_id, membership_handler(self.run_id), {"kind": kind},
+            await call_peer(self.p2p, peer_id, membership_handler(self.run_id), {"kind": kind, **fields},
                             timeout=NOTICE_TIMEOUT, max_payload_bytes=0)
             return True
         except (PeerUnavailableError, RemoteError) as e:

@@ -11,10 +11,19 @@ to ``p`` and not yet heard back about (a queue-length signal it observes locally
 A peer that failed a call is avoided for ``failure_cooldown`` seconds. If a hop fails, the same
 microbatch goes to another peer of that stage (the upstream still holds its inputs), so a
 vanished peer costs a retry, not the microbatch.
+
+With the ``replay`` recovery (:mod:`swarm.task_pool`) stage 0 draws the whole path at once
+(:meth:`Router.plan_path`, the same weights, with its own microbatches out at each peer as the queue
+signal); each hop sends to the planned peer and, if it is gone, to the first live stand-in in
+:func:`substitute_order`, so replays of one microbatch meet the replicas that already counted it.
+When the failure detector or a leave notice says a peer is gone, :meth:`Router.peer_down` abandons
+the calls waiting on it at once rather than at their deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -26,6 +35,7 @@ import torch
 from hivemind.p2p import P2P
 
 from dht.records import PeerRecord
+from dht.reputation import Reputation
 from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, forward_handler
 from swarm.view import SwarmView
 
@@ -33,7 +43,9 @@ logger = logging.getLogger(__name__)
 
 
 class NoPeerAvailableError(Declined):
-    """No peer of the next stage could take the microbatch."""
+    """No peer of the next stage could take the microbatch (answered upstream with code "unrouted")."""
+
+    code = "unrouted"
 
 
 def hop_weights(candidates: Sequence[PeerRecord], in_flight: Counter, stage_flops: float) -> list[float]:
@@ -45,8 +57,21 @@ def hop_weights(candidates: Sequence[PeerRecord], in_flight: Counter, stage_flop
     return weights
 
 
+def substitute_order(mb_id: str, peer_ids: Sequence[str]) -> list[str]:
+    """The order in which a hop tries stand-ins for a microbatch's planned peer: rendezvous hashing of
+    (microbatch id, peer id). Every peer that knows the same replicas derives the same order, so a
+    replay of the microbatch, whoever sends it, reaches the stand-in that may already have counted it."""
+    def score(peer_id: str) -> bytes:
+        return hashlib.blake2b(f"{mb_id}|{peer_id}".encode(), digest_size=8).digest()
+    return sorted(peer_ids, key=score, reverse=True)
+
+
 class Router:
-    """Sends microbatches from this stage to the next one, retrying on another replica on failure."""
+    """Sends microbatches from this stage to the next one, retrying on another replica on failure.
+
+    ``sticky`` (the ``replay`` recovery): the request's planned peer goes first, then stand-ins in
+    :func:`substitute_order`; otherwise (the ``restart`` baseline) a weighted random choice per attempt.
+    """
 
     def __init__(
         self,
@@ -61,25 +86,67 @@ class Router:
         rng: random.Random,
         max_attempts: int = 3,
         failure_cooldown: float = 10.0,
+        sticky: bool = True,
+        reputation: Reputation | None = None,
     ) -> None:
         self.p2p, self.view, self.run_id = p2p, view, run_id
         self.next_stage, self.next_stage_flops = next_stage, next_stage_flops
         self.request_timeout, self.max_payload_bytes = request_timeout, max_payload_bytes
         self.rng, self.max_attempts, self.failure_cooldown = rng, max_attempts, failure_cooldown
+        self.sticky = sticky
+        self.reputation = reputation
         self.in_flight: Counter = Counter()
+        self.path_in_flight: Counter = Counter()  # stage 0: its microbatches out at each peer of any stage
         self.failed_until: dict[str, float] = {}
         self.num_failures = 0
+        self._calls: dict[str, set[asyncio.Task]] = {}
+
+    def _available(self, peer_id: str, now: float) -> bool:
+        return (self.failed_until.get(peer_id, 0.0) <= now and not self.view.is_gone(peer_id)
+                and not (self.reputation is not None and self.reputation.is_banned(peer_id)))
 
     def choose(self, exclude: set[str]) -> PeerRecord | None:
         now = time.monotonic()
-        candidates = [
-            r for r in self.view.members(self.next_stage)
-            if r.peer_id not in exclude and self.failed_until.get(r.peer_id, 0.0) <= now
-        ]
+        candidates = [r for r in self.view.members(self.next_stage) if r.peer_id not in exclude and self._available(r.peer_id, now)]
         if not candidates:
             return None
         weights = hop_weights(candidates, self.in_flight, self.next_stage_flops)
         return self.rng.choices(candidates, weights=weights, k=1)[0]
+
+    def plan_path(self, stage_flops: Sequence[float]) -> list[str]:
+        """Stage 0: a planned peer for each stage after the first (``stage_flops[s]``: FLOP per sample of
+        stage s), weighted like :meth:`choose` with this peer's microbatches out at each; "" where a
+        stage has no known peer (the hop then picks a stand-in)."""
+        now = time.monotonic()
+        path = []
+        for stage in range(1, len(stage_flops)):
+            candidates = [r for r in self.view.members(stage) if self._available(r.peer_id, now)]
+            if not candidates:
+                path.append("")
+                continue
+            weights = hop_weights(candidates, self.path_in_flight, stage_flops[stage])
+            path.append(self.rng.choices(candidates, weights=weights, k=1)[0].peer_id)
+        return path
+
+    def _next_target(self, mb_id: str, planned: str, tried: set[str]) -> str | None:
+        now = time.monotonic()
+        if not self.sticky:
+            record = self.choose(tried)
+            return None if record is None else record.peer_id
+        if planned and planned not in tried and self._available(planned, now):
+            return planned
+        live = [r.peer_id for r in self.view.members(self.next_stage) if r.peer_id not in tried and self._available(r.peer_id, now)]
+        order = substitute_order(mb_id, live)
+        return order[0] if order else None
+
+    def peer_down(self, peer_id: str) -> int:
+        """``peer_id`` is gone (a leave notice or the failure detector said so): avoid it and abandon
+        the calls waiting on it, so their microbatches go to a stand-in now. Returns how many."""
+        self.failed_until[peer_id] = time.monotonic() + self.failure_cooldown
+        calls = self._calls.pop(peer_id, set())
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     async def forward(
         self, header: dict[str, Any], tensors: Sequence[torch.Tensor]
@@ -89,28 +156,42 @@ class Router:
         Raises:
             NoPeerAvailableError: every attempt failed or nobody serves the next stage.
         """
+        mb_id = str(header.get("mb_id"))
+        path = header.get("path")
+        planned = path[self.next_stage - 1] if isinstance(path, list) and len(path) >= self.next_stage else ""
         tried: set[str] = set()
         errors = []
         for _ in range(self.max_attempts):
-            target = self.choose(tried)
+            target = self._next_target(mb_id, planned, tried)
             if target is None:
                 break
-            tried.add(target.peer_id)
-            self.in_flight[target.peer_id] += 1
+            tried.add(target)
+            self.in_flight[target] += 1
+            call = asyncio.ensure_future(call_peer(
+                self.p2p, target, forward_handler(self.run_id), header, tensors,
+                timeout=self.request_timeout, max_payload_bytes=self.max_payload_bytes,
+            ))
+            self._calls.setdefault(target, set()).add(call)
             try:
-                return await call_peer(
-                    self.p2p, target.peer_id, forward_handler(self.run_id), header, tensors,
-                    timeout=self.request_timeout, max_payload_bytes=self.max_payload_bytes,
-                )
+                return await call
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # we are cancelled, not the call
+                errors.append(f"{target[-6:]} went down")
+                logger.debug(f"microbatch {mb_id}: {target[-6:]} went down while serving it")
             except (PeerUnavailableError, RemoteError) as e:
                 self.num_failures += 1
-                self.failed_until[target.peer_id] = time.monotonic() + self.failure_cooldown
+                if getattr(e, "code", "") != "unrouted":  # it answered: only the stage after it failed
+                    self.failed_until[target] = time.monotonic() + self.failure_cooldown
+                    if self.reputation is not None:
+                        self.reputation.strike(target, f"a forward call failed: {e}")
                 errors.append(str(e))
-                logger.debug(f"microbatch {header.get('mb_id')} failed at {target.peer_id[-6:]}: {e}")
+                logger.debug(f"microbatch {mb_id} failed at {target[-6:]}: {e}")
             finally:
-                self.in_flight[target.peer_id] -= 1
-                if self.in_flight[target.peer_id] <= 0:
-                    del self.in_flight[target.peer_id]
+                self._calls.get(target, set()).discard(call)
+                self.in_flight[target] -= 1
+                if self.in_flight[target] <= 0:
+                    del self.in_flight[target]
         raise NoPeerAvailableError(
-            f"no peer of stage {self.next_stage} took microbatch {header.get('mb_id')}: {'; '.join(errors) or 'none known'}"
+            f"no peer of stage {self.next_stage} took microbatch {mb_id}: {'; '.join(errors) or 'none known'}"
         )

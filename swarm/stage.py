@@ -137,12 +137,14 @@ class Stage:
             self._graphs.pop(mb_id, None)
             raise
 
-    async def backward(self, mb_id: str, grad_outputs: torch.Tensor) -> torch.Tensor | None:
-        """Backward of a held graph; returns the gradient w.r.t. the inputs (None on stage 0)."""
+    async def backward(self, mb_id: str, grad_outputs: torch.Tensor, *, accumulate: bool = True) -> torch.Tensor | None:
+        """Backward of a held graph; returns the gradient w.r.t. the inputs (None on stage 0).
+        ``accumulate=False`` (a re-delivery of a microbatch already counted here) computes the input
+        gradient only and adds nothing to the batch."""
         if mb_id not in self._graphs:
             raise ValueError(f"no graph held for microbatch {mb_id}")
         try:
-            return await self.run(self._backward_sync, mb_id, grad_outputs)
+            return await self.run(self._backward_sync, mb_id, grad_outputs, accumulate)
         finally:
             self._in_flight.discard(mb_id)
 
@@ -151,9 +153,12 @@ class Stage:
         self._in_flight.discard(mb_id)
         self._graphs.pop(mb_id, None)
 
-    async def forward_loss_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        """Last stage: forward, loss, backward in one go; returns the loss and the input gradient."""
-        return await self.run(self._forward_loss_backward_sync, inputs, targets)
+    async def forward_loss_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulate: bool = True,
+    ) -> tuple[float, torch.Tensor | None]:
+        """Last stage: forward, loss, backward in one go; returns the loss and the input gradient
+        (``accumulate`` as in :meth:`backward`)."""
+        return await self.run(self._forward_loss_backward_sync, inputs, targets, accumulate)
 
     def record_microbatch(self, batch_size: int, loss: float | None = None) -> None:
         """Count a finished microbatch; start an optimizer step once the batch is complete."""
@@ -294,18 +299,25 @@ class Stage:
         self._graphs[mb_id] = (inputs, outputs, weights)
         return outputs.detach().cpu()
 
-    def _backward_sync(self, mb_id: str, grad_outputs: torch.Tensor) -> torch.Tensor | None:
+    def _backward_sync(self, mb_id: str, grad_outputs: torch.Tensor, accumulate: bool = True) -> torch.Tensor | None:
         inputs, outputs, weights = self._graphs.pop(mb_id)
-        grad_inputs = self._accumulate(outputs, grad_outputs.to(self.device, outputs.dtype), inputs, weights)
+        grad_outputs = grad_outputs.to(self.device, outputs.dtype)
+        if not accumulate:
+            return _input_gradient(outputs, grad_outputs, inputs)
+        grad_inputs = self._accumulate(outputs, grad_outputs, inputs, weights)
         self._count_accumulated(inputs.shape[0])
         return grad_inputs
 
-    def _forward_loss_backward_sync(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    def _forward_loss_backward_sync(
+        self, inputs: torch.Tensor, targets: torch.Tensor, accumulate: bool = True,
+    ) -> tuple[float, torch.Tensor | None]:
         inputs = inputs.to(self.device)
         if inputs.is_floating_point():  # token ids of a single-stage run need no gradient
             inputs.requires_grad_(True)
         weights = self._weights
         loss = next_token_loss(functional_call(self.model, weights, (inputs,)), targets.to(self.device))
+        if not accumulate:
+            return float(loss.detach()), _input_gradient(loss, None, inputs)
         grad_inputs = self._accumulate(loss, None, inputs, weights)
         self._count_accumulated(inputs.shape[0])
         return float(loss.detach()), grad_inputs
@@ -343,3 +355,11 @@ class Stage:
         self._accumulated_microbatches = self._accumulated_samples = 0
         self.counters.num_steps += 1
         self._publish_weights()
+
+
+def _input_gradient(outputs: torch.Tensor, grad_outputs: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:
+    """The gradient w.r.t. the inputs alone (nothing accumulated); None for token-id inputs."""
+    if not inputs.requires_grad:
+        return None
+    (grad,) = torch.autograd.grad(outputs, [inputs], grad_outputs)
+    return grad.detach().cpu()

@@ -8,6 +8,10 @@ the gradient w.r.t. the activations it received, the loss, and the full route
 took. Every request is validated against the run spec (shapes, dtypes, finiteness, token range,
 route consistency) before any compute; a bad one is refused with a logged reason and the server
 keeps serving.
+
+With the ``replay`` recovery each request goes through the replica's
+:class:`~swarm.task_pool.MicrobatchLedger` first: a microbatch id seen before is answered without
+computing or counting it twice (see :mod:`swarm.task_pool`).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
-from swarm.router import Router
+from dht.reputation import Reputation
 from dht.rpc import Declined, forward_handler, serve_request
-from swarm.stage import Stage
 from dht.wire import ProtocolError, require_tensor
+from swarm.router import Router
+from swarm.stage import Stage
+from swarm.task_pool import MicrobatchLedger
 
 logger = logging.getLogger(__name__)
 MAX_ROUTE_HOPS = 64
@@ -43,12 +49,17 @@ class StageServer:
         request_timeout: float,
         max_payload_bytes: int,
         on_microbatch: Callable[[dict[str, Any]], None] = lambda event: None,
+        on_event: Callable[..., None] = lambda event, **fields: None,
+        ledger: MicrobatchLedger | None = None,
+        reputation: Reputation | None = None,
     ) -> None:
         if (router is None) != stage.is_last:
             raise ValueError("every stage but the last needs a router to the next stage")
         self.p2p, self.stage, self.peer_id, self.router = p2p, stage, peer_id, router
         self.request_timeout, self.max_payload_bytes = request_timeout, max_payload_bytes
-        self.on_microbatch = on_microbatch
+        self.on_microbatch, self.on_event = on_microbatch, on_event
+        self.ledger = ledger  # None: the restart baseline, every delivery is computed and counted
+        self.reputation = reputation
         self.num_refused = 0
         self._local_ids = itertools.count()
         self._accepting = True
@@ -73,18 +84,26 @@ class StageServer:
         if self._active:
             await asyncio.wait(list(self._active), timeout=timeout)
 
-    async def rpc_forward(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes)
+    async def rpc_forward(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = info.peer_id.to_base58()  # authenticated by libp2p
+        if self.reputation is not None and self.reputation.is_banned(sender):
+            self.num_refused += 1
+            writer.close()  # a banned peer gets nothing, not even a reason
+            return
+        await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes, sender=sender)
 
-    def _count(self, outcome: str) -> None:
-        self.num_refused += outcome == "refused"
+    async def _serve(self, reader, writer, process, *, max_payload_bytes: int, sender: str) -> None:
+        def count(outcome: str) -> None:
+            if outcome == "refused":
+                self.num_refused += 1
+                if self.reputation is not None:
+                    self.reputation.strike(sender, "sent a malformed forward request")
 
-    async def _serve(self, reader, writer, process, *, max_payload_bytes: int) -> None:
         task = asyncio.current_task()
         self._active.add(task)
         try:
             await serve_request(reader, writer, process, max_payload_bytes=max_payload_bytes,
-                                timeout=self.request_timeout, what="forward", on_outcome=self._count)
+                                timeout=self.request_timeout, what="forward", on_outcome=count)
         finally:
             self._active.discard(task)
 
@@ -94,34 +113,79 @@ class StageServer:
         if self.is_paused:
             raise Declined("this peer is paused")
         spec, stage = self.stage.spec, self.stage
-        mb_id, route, batch_size = _check_forward_header(header, spec.microbatch_size, stage.index)
+        mb_id, route, batch_size, path = _check_forward_header(header, spec.microbatch_size, stage.index, spec.num_stages)
         activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")
         targets = require_tensor(tensors, 1, dtype=torch.int64, shape=(batch_size, spec.model.seq_len), name="targets")
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= spec.model.vocab_size):
             raise ProtocolError("targets hold token ids outside the vocabulary")
+        if not torch.isfinite(activations).all():
+            raise ProtocolError("activations hold NaN or Inf")
         route = [*route, [self.peer_id, stage.index, stage.version]]
+        ledger = self.ledger
+        if ledger is None:
+            reply, reply_tensors = await self._compute(mb_id, route, path, batch_size, activations, targets, count=True)
+            return reply, reply_tensors
+        running = ledger.running(mb_id)
+        if running is not None:  # a re-delivery while the first is still being computed here
+            ledger.num_joined += 1
+            reply, reply_tensors = await asyncio.shield(running)
+            return {**reply, "route": route + reply["route"]}, reply_tensors
+        answer = ledger.answer(mb_id)
+        if answer is not None:  # answered recently: the same answer, nothing computed or counted again
+            return {**answer.reply, "route": route + answer.reply["route"]}, answer.tensors
+        count = not ledger.was_counted(mb_id)
+        ledger.num_recomputed += not count
+        ledger.begin(mb_id)
+        try:
+            reply, reply_tensors = await self._compute(mb_id, route, path, batch_size, activations, targets, count=count)
+        except BaseException as e:
+            ledger.fail(mb_id, e)
+            raise
+        ledger.finish(mb_id, {**reply, "route": reply["route"][len(route):]}, reply_tensors)
+        return reply, reply_tensors
+
+    async def _compute(
+        self, mb_id: str, route: list, path: list[str] | None, batch_size: int,
+        activations: torch.Tensor, targets: torch.Tensor, *, count: bool,
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """This stage's forward and backward of one microbatch (through the rest of the pipeline)."""
+        stage = self.stage
         if stage.is_last:
-            loss, grad = await stage.forward_loss_backward(activations, targets)
-            stage.record_microbatch(batch_size, loss)
-            self.on_microbatch({"mb_id": mb_id, "loss": loss, "route": route, "samples": batch_size})
+            loss, grad = await stage.forward_loss_backward(activations, targets, accumulate=count)
+            self._counted(mb_id, batch_size, count, loss)
+            if count:
+                self.on_microbatch({"mb_id": mb_id, "loss": loss, "route": route, "samples": batch_size})
             return {"ok": True, "loss": loss, "route": route}, [grad]
         local_id = f"{mb_id}#{next(self._local_ids)}"
         outputs = await stage.forward(local_id, activations)
         try:
-            reply, reply_tensors = await self.router.forward(
-                {"mb_id": mb_id, "route": route, "batch_size": batch_size}, [outputs, targets]
-            )
+            request = {"mb_id": mb_id, "route": route, "batch_size": batch_size, **({"path": path} if path else {})}
+            reply, reply_tensors = await self.router.forward(request, [outputs, targets])
             grad_outputs = require_tensor(reply_tensors, 0, dtype=torch.float32, shape=tuple(outputs.shape), name="gradient")
+            reply_route = reply.get("route")
+            if not isinstance(reply_route, list) or reply_route[:len(route)] != route:
+                raise ProtocolError(f"the next stage answered {mb_id} with a route that does not extend ours")
         except BaseException:
             await stage.drop(local_id)
             raise
-        grad = await stage.backward(local_id, grad_outputs)
-        stage.record_microbatch(batch_size)
-        return {"ok": True, "loss": reply.get("loss"), "route": reply.get("route")}, [grad]
+        grad = await stage.backward(local_id, grad_outputs, accumulate=count)
+        self._counted(mb_id, batch_size, count)
+        return {"ok": True, "loss": reply.get("loss"), "route": reply_route}, [grad]
+
+    def _counted(self, mb_id: str, batch_size: int, count: bool, loss: float | None = None) -> None:
+        if count:
+            if self.ledger is not None:
+                self.ledger.count(mb_id)
+            self.stage.record_microbatch(batch_size, loss)
+            self.on_event("accumulated", mb_id=mb_id, samples=batch_size)
 
 
-def _check_forward_header(header: dict[str, Any], max_batch: int, stage: int) -> tuple[str, list, int]:
+def _check_forward_header(header: dict[str, Any], max_batch: int, stage: int, num_stages: int) -> tuple[str, list, int, list[str] | None]:
     mb_id, route, batch_size = header.get("mb_id"), header.get("route"), header.get("batch_size")
+    path = header.get("path")
+    if path is not None and not (isinstance(path, list) and len(path) == num_stages - 1
+                                 and all(isinstance(p, str) and len(p) <= 128 for p in path)):
+        raise ProtocolError(f"path must list {num_stages - 1} peer ids (one per stage after the first)")
     if not isinstance(mb_id, str) or not 1 <= len(mb_id) <= 128:
         raise ProtocolError("mb_id must be a string of 1-128 characters")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or not 1 <= batch_size <= max_batch:
@@ -134,4 +198,4 @@ def _check_forward_header(header: dict[str, Any], max_batch: int, stage: int) ->
             raise ProtocolError(f"route hop {position} must be [peer_id, {position}, version], got {hop!r:.100}")
     if len(route) != stage:
         raise ProtocolError(f"a microbatch for stage {stage} must have visited {stage} stages, its route has {len(route)}")
-    return mb_id, route, batch_size
+    return mb_id, route, batch_size, path

@@ -2,9 +2,13 @@
 
 Keeps up to ``max_in_flight`` microbatches in the pipeline at once, so that while stage k works on
 one microbatch, stage k+1 works on another (pipelining by concurrency rather than a global
-schedule; every stage drains before it steps, see :mod:`swarm.stage`). A microbatch that no peer
-of the next stage could take releases its graph and is drawn again later; nothing is counted until
-its gradient came back.
+schedule; see :mod:`swarm.stage` for the delayed parameter updates that keep it flowing).
+
+Every microbatch is a :class:`~swarm.task_pool.Task`: drawn once, kept until its gradient came back.
+One whose route broke goes back to the :class:`~swarm.task_pool.TaskPool` and is replayed (same id,
+same data, same planned path) before anything new is drawn; nothing is counted until its gradient
+came back. With the ``restart`` baseline the replay starts over on a new path and nobody
+de-duplicates (what SWARM does).
 """
 
 from __future__ import annotations
@@ -13,20 +17,20 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from swarm.data import TokenSampler
 from swarm.router import NoPeerAvailableError, Router
 from swarm.stage import Stage
+from swarm.task_pool import Task, TaskPool
 
 logger = logging.getLogger(__name__)
-NO_PEER_BACKOFF = 0.5
 PAUSE_POLL_PERIOD = 0.2  # how soon a paused trainer notices it was resumed, seconds
 
 
 class Trainer:
-    """Injects microbatches at stage 0 and applies the gradients that come back."""
+    """Injects microbatches at stage 0, replays the broken ones and applies the gradients that come back."""
 
     def __init__(
         self,
@@ -37,6 +41,9 @@ class Trainer:
         peer_id: str,
         max_in_flight: int,
         on_microbatch: Callable[[dict[str, Any]], None] = lambda event: None,
+        on_event: Callable[..., None] = lambda event, **fields: None,
+        stage_flops: Sequence[float] = (),
+        sticky: bool = True,
     ) -> None:
         if not stage.is_first:
             raise ValueError("only stage 0 owns data and injects microbatches")
@@ -44,15 +51,26 @@ class Trainer:
             raise ValueError("a multi-stage pipeline needs a router to stage 1")
         self.stage, self.sampler, self.router = stage, sampler, router
         self.peer_id, self.max_in_flight, self.on_microbatch = peer_id, max_in_flight, on_microbatch
+        self.on_event = on_event
+        self.stage_flops = list(stage_flops) or [1.0] * stage.spec.num_stages  # FLOP per sample of each stage
+        self.sticky = sticky  # replay recovery: plan the path up front and keep it across replays
+        self.pool = TaskPool()
+        self.in_flight: dict[str, Task] = {}
         self.num_unrouted = 0
         self.is_paused = False  # injects no new microbatch while set; in-flight ones finish
         self._ids = itertools.count()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until ``stop`` is set; then let in-flight microbatches finish."""
-        async with asyncio.TaskGroup() as group:
-            for lane in range(self.max_in_flight):
-                group.create_task(self._lane(stop, lane))
+        try:
+            async with asyncio.TaskGroup() as group:
+                for lane in range(self.max_in_flight):
+                    group.create_task(self._lane(stop, lane))
+        finally:  # drawn, never completed (waiting for a replay, or cut off by a hard stop): reported, so a
+            # run's accounting can tell them from lost ones
+            pending = self.pool.pending() + list(self.in_flight.values())
+            if pending:
+                self.on_event("unfinished", mb_ids=[t.mb_id for t in pending], samples=sum(t.batch_size for t in pending))
 
     async def _lane(self, stop: asyncio.Event, lane: int) -> None:
         await asyncio.sleep(0.05 * lane)  # stagger lanes so they do not hit the pipeline in lockstep
@@ -60,36 +78,85 @@ class Trainer:
             if self.is_paused:
                 await asyncio.sleep(PAUSE_POLL_PERIOD)
                 continue
+            task = self.next_task()
+            if task is None:  # only replays wait, not ready yet
+                await asyncio.sleep(min(self.pool.next_ready_in(), PAUSE_POLL_PERIOD))
+                continue
             try:
-                await self.run_microbatch()
+                await self.run_task(task)
             except NoPeerAvailableError as e:
                 self.num_unrouted += 1
                 logger.debug(str(e))
-                await asyncio.sleep(NO_PEER_BACKOFF)
+
+    def next_task(self) -> Task | None:
+        """A replay whose backoff passed, else a new microbatch; None while replays wait their backoff
+        and the pool holds as many as there are lanes (the pipeline is broken: draw nothing new)."""
+        task = self.pool.take_ready()
+        if task is not None:
+            self.on_event("replayed", mb_id=task.mb_id, attempt=task.attempt, reason=task.last_error[:200])
+            if not self.sticky:
+                task.path = None  # the baseline starts over on a new route
+            return task
+        if len(self.pool) >= self.max_in_flight:
+            return None
+        return self.new_task()
+
+    def new_task(self) -> Task:
+        inputs, targets = self.sampler.sample(self.stage.spec.microbatch_size)
+        task = Task(f"{self.peer_id[-8:]}:{next(self._ids)}", inputs, targets)
+        self.on_event("injected", mb_id=task.mb_id, samples=task.batch_size)
+        return task
 
     async def run_microbatch(self) -> float:
-        """One microbatch through the whole pipeline and back; returns its loss."""
-        stage, batch_size = self.stage, self.stage.spec.microbatch_size
-        inputs, targets = self.sampler.sample(batch_size)
-        mb_id = f"{self.peer_id[-8:]}:{next(self._ids)}"
+        """One new microbatch through the whole pipeline and back; returns its loss."""
+        return await self.run_task(self.new_task())
+
+    async def run_task(self, task: Task) -> float:
+        """``task`` through the whole pipeline and back; returns its loss. If no peer of stage 1 took
+        it, it goes back to the pool and :class:`NoPeerAvailableError` is raised."""
+        stage, batch_size = self.stage, task.batch_size
         started = time.monotonic()
-        if self.router is None:  # a single-stage run: stage 0 is also the last
-            loss, _ = await stage.forward_loss_backward(inputs, targets)
-            route = [[self.peer_id, 0, stage.version]]
-        else:
-            outputs = await stage.forward(mb_id, inputs)
-            route = [[self.peer_id, 0, stage.version]]
-            try:
-                reply, grads = await self.router.forward({"mb_id": mb_id, "route": route, "batch_size": batch_size}, [outputs, targets])
-                if len(grads) != 1 or grads[0].shape != outputs.shape:
-                    raise NoPeerAvailableError(f"stage 1 returned a malformed gradient for {mb_id}")
-            except BaseException:
-                await stage.drop(mb_id)
-                raise
-            await stage.backward(mb_id, grads[0])
-            loss, route = float(reply.get("loss", float("nan"))), reply.get("route", route)
+        self.in_flight[task.mb_id] = task
+        try:
+            if self.router is None:  # a single-stage run: stage 0 is also the last
+                loss, _ = await stage.forward_loss_backward(task.inputs, task.targets)
+                route = [[self.peer_id, 0, stage.version]]
+            else:
+                loss, route = await self._through_pipeline(task)
+        finally:
+            del self.in_flight[task.mb_id]
         stage.record_microbatch(batch_size, loss)
-        self.on_microbatch({"mb_id": mb_id, "loss": loss, "route": route, "samples": batch_size,
-                            "tokens": batch_size * stage.spec.model.seq_len,
+        self.on_event("accumulated", mb_id=task.mb_id, samples=batch_size)
+        self.on_microbatch({"mb_id": task.mb_id, "loss": loss, "route": route, "samples": batch_size,
+                            "tokens": batch_size * stage.spec.model.seq_len, "attempts": task.attempt + 1,
                             "seconds": time.monotonic() - started})
         return loss
+
+    async def _through_pipeline(self, task: Task) -> tuple[float, list]:
+        stage, router = self.stage, self.router
+        if self.sticky and task.path is None:
+            task.path = router.plan_path(self.stage_flops)
+        path = task.path or []
+        outputs = await stage.forward(task.mb_id, task.inputs)
+        route = [[self.peer_id, 0, stage.version]]
+        header = {"mb_id": task.mb_id, "route": route, "batch_size": task.batch_size, **({"path": path} if path else {})}
+        for peer_id in path:
+            router.path_in_flight[peer_id] += 1
+        try:
+            reply, grads = await router.forward(header, [outputs, task.targets])
+            if len(grads) != 1 or grads[0].shape != outputs.shape:
+                raise NoPeerAvailableError(f"stage 1 returned a malformed gradient for {task.mb_id}")
+        except NoPeerAvailableError as e:
+            await stage.drop(task.mb_id)
+            self.pool.put_back(task, str(e))
+            raise
+        except BaseException:
+            await stage.drop(task.mb_id)
+            raise
+        finally:
+            for peer_id in path:
+                router.path_in_flight[peer_id] -= 1
+                if router.path_in_flight[peer_id] <= 0:
+                    del router.path_in_flight[peer_id]
+        await stage.backward(task.mb_id, grads[0])
+        return float(reply.get("loss", float("nan"))), reply.get("route", route)

@@ -1,0 +1,203 @@
+"""Knowing within a second that a neighbour crashed, with no timeout constant to guess.
+
+Each peer pings its pipeline neighbours (its own stage and the stages before and after it) every
+``ping_period`` over the membership protocol, and keeps, per neighbour, the intervals between
+answered pings. A :class:`PhiAccrual` detector (Hayashibara et al., 2004; what Cassandra and Akka
+use) turns the time since the last answer into a suspicion level
+
+    phi(t) = -log10(P(next answer comes later than t)),
+
+with the intervals modelled as a normal distribution of their measured mean and deviation. A
+neighbour is declared down when phi exceeds ``threshold`` (8: a one-in-10^8 chance that a live peer
+is this late), so the effective timeout follows what the link and the host actually do: tight on an
+idle loopback, looser on a busy one. A ping that fails outright (the peer's daemon is gone and the
+connection is refused) is direct evidence: ``max_failed_pings`` in a row declare it down at once.
+
+A peer that declares a neighbour down tells the peers in its view (gossip, :mod:`swarm.membership`);
+a receiver does not take the word of a stranger for it but pings the named peer once itself, so a
+liar cannot talk the swarm out of a live peer. Together: a crash is known in well under a second on
+loopback, not at the DHT record's expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from hivemind.p2p import P2P
+
+from dht.rpc import PeerUnavailableError, RemoteError, call_peer
+from swarm.view import SwarmView
+
+logger = logging.getLogger(__name__)
+RECHECK_PERIOD = 2.0  # seconds between pings to a peer declared down whose record is still fresh
+
+
+class PhiAccrual:
+    """Suspicion level of one monitored peer from the intervals between its heartbeats (pure)."""
+
+    def __init__(self, *, window: int = 100, min_std: float = 0.1, first_interval: float = 1.0) -> None:
+        self.min_std = min_std
+        self._intervals: collections.deque[float] = collections.deque(maxlen=window)
+        self._intervals.append(first_interval)  # a prior until real intervals arrive
+        self.last: float | None = None
+
+    def heartbeat(self, now: float) -> None:
+        if self.last is not None:
+            self._intervals.append(max(0.0, now - self.last))
+        self.last = now
+
+    @property
+    def mean(self) -> float:
+        return sum(self._intervals) / len(self._intervals)
+
+    @property
+    def std(self) -> float:
+        mean = self.mean
+        variance = sum((x - mean) ** 2 for x in self._intervals) / len(self._intervals)
+        return max(math.sqrt(variance), self.min_std)
+
+    def phi(self, now: float) -> float:
+        """-log10 of the chance that a live peer's next heartbeat comes this late or later."""
+        if self.last is None:
+            return 0.0
+        z = (now - self.last - self.mean) / self.std
+        tail = 0.5 * math.erfc(z / math.sqrt(2))
+        return -math.log10(max(tail, 1e-300))
+
+    def timeout(self, threshold: float) -> float:
+        """How long after the last heartbeat phi reaches ``threshold`` (for the ping deadline)."""
+        low, high = 0.0, self.mean + 40 * self.std
+        for _ in range(50):
+            mid = (low + high) / 2
+            tail = 0.5 * math.erfc((mid - self.mean) / self.std / math.sqrt(2))
+            low, high = (mid, high) if -math.log10(max(tail, 1e-300)) < threshold else (low, mid)
+        return high
+
+
+class FailureDetector:
+    """Pings the pipeline neighbours; calls ``on_down(peer_id, how)`` once for each one that went down."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        view: SwarmView,
+        *,
+        peer_id: str,
+        stage: int,
+        handler: str,
+        on_down: Callable[[str, str], None],
+        ping_period: float = 0.3,
+        threshold: float = 8.0,
+        max_failed_pings: int = 2,
+        min_std: float = 0.1,
+        on_link: Callable[[str, str], None] = lambda kind, peer_id: None,
+    ) -> None:
+        self.p2p, self.view, self.peer_id, self.stage, self.handler = p2p, view, peer_id, stage, handler
+        self.on_down, self.ping_period, self.threshold = on_down, ping_period, threshold
+        self.max_failed_pings, self.min_std, self.on_link = max_failed_pings, min_std, on_link
+        self.monitors: dict[str, PhiAccrual] = {}
+        self._failed: collections.Counter = collections.Counter()
+        self._pinging: dict[str, asyncio.Task] = {}
+        self.down: set[str] = set()
+        self._recheck_at: dict[str, float] = {}
+        self.num_pings = 0
+
+    def neighbours(self) -> set[str]:
+        stages = {self.stage - 1, self.stage, self.stage + 1}
+        return {r.peer_id for r in self.view.records
+                if r.stage in stages and r.state == "training" and r.peer_id != self.peer_id and not self.view.is_gone(r.peer_id)}
+
+    def declare_down(self, peer_id: str, how: str) -> bool:
+        """Mark ``peer_id`` down (once); returns whether this was news."""
+        if peer_id in self.down:
+            return False
+        self.down.add(peer_id)
+        self.monitors.pop(peer_id, None)
+        task = self._pinging.pop(peer_id, None)
+        if task is not None:
+            task.cancel()
+        self.view.mark_departed(peer_id)
+        self.on_down(peer_id, how)
+        return True
+
+    async def check(self, peer_id: str, *, timeout: float = 1.0) -> bool:
+        """Is ``peer_id`` answering? (one ping, used to verify a rumour)"""
+        try:
+            await call_peer(self.p2p, peer_id, self.handler, {"kind": "ping"}, timeout=timeout, max_payload_bytes=0)
+            return True
+        except (PeerUnavailableError, RemoteError):
+            return False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                self.tick(time.monotonic())
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=self.ping_period)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            for task in self._pinging.values():
+                task.cancel()
+
+    def tick(self, now: float) -> None:
+        current = self.neighbours()
+        for peer_id in list(self.monitors):
+            if peer_id not in current:  # no longer a neighbour (moved, left, expired)
+                del self.monitors[peer_id]
+        for peer_id in self.down & {r.peer_id for r in self.view.records}:
+            if peer_id not in self._pinging and now >= self._recheck_at.get(peer_id, 0.0):
+                self._recheck_at[peer_id] = now + RECHECK_PERIOD  # declared down, but its record lives on
+                self._pinging[peer_id] = asyncio.create_task(self._recheck(peer_id))
+        for peer_id in current:
+            if peer_id in self.down:
+                continue
+            monitor = self.monitors.setdefault(peer_id, PhiAccrual(min_std=self.min_std, first_interval=self.ping_period))
+            if monitor.last is None:
+                monitor.last = now  # start the clock at the first ping
+            if monitor.phi(now) > self.threshold:
+                logger.info(f"{peer_id[-6:]} has not answered for {now - monitor.last:.2f}s (phi {monitor.phi(now):.1f}): down")
+                self.declare_down(peer_id, "detector")
+                continue
+            if peer_id not in self._pinging:
+                deadline = max(self.ping_period, monitor.timeout(self.threshold))
+                self._pinging[peer_id] = asyncio.create_task(self._ping(peer_id, deadline))
+
+    async def _recheck(self, peer_id: str) -> None:
+        """A peer declared down whose record is still fresh: if it answers, it was a false alarm."""
+        try:
+            answered = await self.check(peer_id)
+        finally:
+            self._pinging.pop(peer_id, None)
+        if answered and peer_id in self.down:
+            logger.info(f"{peer_id[-6:]} answers again: back in the view")
+            self.down.discard(peer_id)
+            self._failed[peer_id] = 0
+            self.view.restore(peer_id)
+
+    async def _ping(self, peer_id: str, deadline: float) -> None:
+        try:
+            self.num_pings += 1
+            answered = await self.check(peer_id, timeout=deadline)
+        finally:
+            self._pinging.pop(peer_id, None)
+        monitor = self.monitors.get(peer_id)
+        if monitor is None:
+            return
+        if answered:
+            monitor.heartbeat(time.monotonic())
+            if self._failed[peer_id]:
+                self.on_link("connect_link", peer_id)  # the link is back before the peer was declared down
+            self._failed[peer_id] = 0
+            return
+        self._failed[peer_id] += 1
+        if self._failed[peer_id] == 1:
+            self.on_link("disconnect_link", peer_id)
+        if self._failed[peer_id] >= self.max_failed_pings:
+            logger.info(f"{peer_id[-6:]} refused {self._failed[peer_id]} pings in a row: down")
+            self.declare_down(peer_id, "detector")
