@@ -16,6 +16,8 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from dht.registry import RunRecordValidator
+
 logger = logging.getLogger(__name__)
 
 
@@ -74,7 +76,7 @@ def open_dht(config: DHTNodeConfig) -> tuple[hivemind.DHT, RSASignatureValidator
         initial_peers=list(config.initial_peers) or None,
         host_maddrs=list(config.host_maddrs),
         client_mode=config.client_mode,
-        record_validators=[validator],
+        record_validators=[validator, RunRecordValidator()],
         start=False,
         bootstrap_timeout=min(5.0, config.start_timeout),
         wait_timeout=min(5.0, config.start_timeout),

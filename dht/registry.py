@@ -2,16 +2,28 @@
 
 Reads return only records that parse and validate; anything else is logged and dropped, so a
 malformed or hostile record never reaches the caller.
+
+Writes are guarded too, on every node that stores our keys (:class:`RunRecordValidator`): under
+the registry, spec and peers keys a node accepts only dictionary entries whose subkey names an
+owner key (so hivemind's ``RSASignatureValidator`` checks their signature) and whose expiration is
+at most ``MAX_RECORD_TTL`` away. Without it one plain value stored under ``<run_id>.peers`` with a
+far expiration replaces the whole dictionary on the nodes that hold it: every heartbeat of the run
+vanishes and no new one is accepted until that value expires (found by tests/fuzz).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from dht.records import RUNS_KEY, PeerRecord, RunSpec, peers_key, spec_key
@@ -20,6 +32,64 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SPEC_TTL = 6 * 3600.0
+MAX_RECORD_TTL = 2 * SPEC_TTL  # a record expiring later than this is refused (clock skew allowed for)
+_OWNER_MARKER = b"[owner:"
+
+
+class RunRecordValidator(RecordValidatorBase):
+    """Refuses, under the keys of the given runs (and the registry), a plain value, an entry whose
+    subkey names no owner key, and an expiration more than ``MAX_RECORD_TTL`` ahead.
+
+    hivemind hands a validator the key as its DHT id (a hash), so the protected keys are hashed
+    here. Picklable: hivemind sends it to the DHT's process.
+    """
+
+    def __init__(self, run_ids: Iterable[str] = ()) -> None:
+        self.run_ids: set[str] = set()
+        self._key_ids: set[bytes] = {DHTID.generate(source=RUNS_KEY).to_bytes()}
+        self.add_runs(run_ids)
+
+    def add_runs(self, run_ids: Iterable[str]) -> None:
+        for run_id in run_ids:
+            self.run_ids.add(run_id)
+            self._key_ids.update(DHTID.generate(source=key).to_bytes() for key in (spec_key(run_id), peers_key(run_id)))
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._key_ids:
+            return True
+        if record.subkey in (DHTProtocol.IS_REGULAR_VALUE, DHTProtocol.IS_DICTIONARY, None):
+            logger.debug("refused a plain value under a protected record key")
+            return False
+        if _OWNER_MARKER not in record.subkey:
+            logger.debug("refused an unsigned entry under a protected record key")
+            return False
+        if record.expiration_time > get_dht_time() + MAX_RECORD_TTL:
+            logger.debug("refused an entry expiring too far ahead under a protected record key")
+            return False
+        return True
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, RunRecordValidator):
+            return False
+        self.add_runs(other.run_ids)
+        return True
+
+
+_protected_runs: weakref.WeakKeyDictionary[hivemind.DHT, set[str]] = weakref.WeakKeyDictionary()
+
+
+async def _install_validator(_dht: hivemind.DHT, node: Any, *, validator: RunRecordValidator) -> None:
+    node.protocol.record_validator.extend([validator])
+
+
+async def protect_run_keys(dht: hivemind.DHT, run_id: str) -> None:
+    """Guard ``run_id``'s spec and peers keys on this node (once per node and run; see the module doc)."""
+    runs = _protected_runs.setdefault(dht, set())
+    if run_id in runs:
+        return
+    runs.add(run_id)
+    await dht.run_coroutine(functools.partial(_install_validator, validator=RunRecordValidator([run_id])),
+                            return_future=True)
 
 
 def dht_time() -> float:
@@ -29,6 +99,7 @@ def dht_time() -> float:
 
 async def declare_run_spec(dht: hivemind.DHT, validator: RSASignatureValidator, spec: RunSpec) -> bool:
     """Publish the run spec, signed, and list the run in the registry of runs."""
+    await protect_run_keys(dht, spec.run_id)
     owner = validator.local_public_key
     expiration = get_dht_time() + SPEC_TTL
     wire = spec.to_wire()
@@ -39,6 +110,7 @@ async def declare_run_spec(dht: hivemind.DHT, validator: RSASignatureValidator, 
 
 async def fetch_run_specs(dht: hivemind.DHT, run_id: str) -> list[RunSpec]:
     """Every valid spec published under ``run_id``, oldest publisher key first (deterministic)."""
+    await protect_run_keys(dht, run_id)
     specs = await _fetch_valid(dht, spec_key(run_id), RunSpec.from_wire, what=f"run spec for {run_id}")
     return [spec for spec in specs if spec.run_id == run_id]
 
@@ -56,6 +128,7 @@ async def declare_peer(
     dht: hivemind.DHT, validator: RSASignatureValidator, run_id: str, record: PeerRecord, *, ttl: float
 ) -> bool:
     """Store this peer's heartbeat; it expires ``ttl`` seconds from now unless refreshed."""
+    await protect_run_keys(dht, run_id)
     expiration = get_dht_time() + ttl
     key = peers_key(run_id)
     return bool(
@@ -65,6 +138,7 @@ async def declare_peer(
 
 async def fetch_peers(dht: hivemind.DHT, run_id: str) -> list[PeerRecord]:
     """Live peer records of the run, sorted by peer id; malformed ones are logged and dropped."""
+    await protect_run_keys(dht, run_id)
     records: dict[str, PeerRecord] = {}
     for record in await _fetch_valid(dht, peers_key(run_id), PeerRecord.from_wire, what=f"peer record in run {run_id}"):
         # two keys claiming one peer id: keep the fresher one (highest version)

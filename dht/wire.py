@@ -179,7 +179,8 @@ def parse_tensor_layouts(described: Any, *, max_payload_bytes: int) -> list[tupl
         raise ProtocolError(f"'tensors' must be a list of at most {MAX_TENSORS} [dtype, shape] pairs")
     layouts, total = [], 0
     for item in described:
-        if not (isinstance(item, list) and len(item) == 2 and item[0] in DTYPES and isinstance(item[1], list)):
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and item[0] in DTYPES
+                and isinstance(item[1], list)):
             raise ProtocolError(f"bad tensor description {item!r:.100}")
         shape = item[1]
         if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):

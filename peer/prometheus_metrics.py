@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from dht.records import PEER_STATES
+from dht.rpc import REQUEST_OUTCOMES
 from peer.status import local_status
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +63,7 @@ class PeerCollector(Collector):
         yield from self._queues()
         yield from self._averaging()
         yield from self._failures()
+        yield _requests()
         reputation = getattr(self.peer, "reputation", None)
         yield _counter("murmuration_bans", "peers this peer has banned for misbehaviour (dht/reputation.py)",
                        reputation.num_bans if reputation is not None else 0)
@@ -96,6 +98,16 @@ class PeerCollector(Collector):
                       if service is not None)
         family.add_metric(["refused"], float(refused))
         yield family
+
+
+def _requests() -> CounterMetricFamily:
+    family = CounterMetricFamily("murmuration_rpc_requests", "requests this peer's handlers served, by handler "
+                                 "and outcome: ok, refused (bad input, reason logged), declined (leaving, paused), "
+                                 "abandoned (the caller stalled or hung up mid-request), error (a bug of ours)",
+                                 labels=["handler", "outcome"])
+    for (handler, outcome), count in sorted(REQUEST_OUTCOMES.items()):
+        family.add_metric([handler, outcome], float(count))
+    return family
 
 
 class SwarmCollector(Collector):

@@ -162,19 +162,19 @@ class ReplicationServer:
         await self.shutdown()
 
     async def rpc_manifest(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._serve(reader, writer, self._process_manifest)
+        await self._serve(reader, writer, self._process_manifest, what="manifest")
 
     async def rpc_shard(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         caller = getattr(info, "peer_id", None)
         lock = self._send_locks.setdefault(caller, asyncio.Lock())
         try:
-            await self._serve(reader, writer, self._process_shard, send_lock=lock)
+            await self._serve(reader, writer, self._process_shard, what="shard", send_lock=lock)
         finally:
             if not lock.locked() and self._send_locks.get(caller) is lock:
                 del self._send_locks[caller]  # no other answer to this caller is waiting
 
     async def rpc_probe(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._serve(reader, writer, self._process_probe)
+        await self._serve(reader, writer, self._process_probe, what="probe")
 
     def cached_shard_sizes(self, version: int) -> tuple[int, ...]:
         """The shard sizes a manifest of ``version`` was built for and is still cached (for metrics)."""
@@ -202,17 +202,19 @@ class ReplicationServer:
     def _count(self, outcome: str) -> None:
         self.num_refused += outcome == "refused"
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Callable,
-                     send_lock: asyncio.Lock | None = None) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Callable, *,
+                     what: str, send_lock: asyncio.Lock | None = None) -> None:
         async def process_header(header: dict[str, Any], _tensors: list) -> tuple[dict[str, Any], list]:
             return await process(header)
 
         await serve_request(reader, writer, process_header, max_payload_bytes=0, timeout=self.request_timeout,
-                            what="replication", on_outcome=self._count, send_lock=send_lock)
+                            what=f"replication {what}", on_outcome=self._count, send_lock=send_lock)
 
     def _require_stage(self, header: Mapping[str, Any]) -> None:
-        if header.get("stage") != self.stage or isinstance(header.get("stage"), bool):
-            raise ValueError(f"asked for stage {header.get('stage')!r:.40}, this peer serves stage {self.stage}")
+        stage = header.get("stage")
+        # exactly this int: 1.0 == 1 and True == 1 in Python, but neither is a stage on the wire
+        if type(stage) is not int or stage != self.stage:
+            raise ValueError(f"asked for stage {stage!r:.40}, this peer serves stage {self.stage}")
 
     def _require_shard_bytes(self, header: Mapping[str, Any]) -> int:
         return require_int(header, "shard_bytes", low=MIN_REQUEST_SHARD_BYTES, high=MAX_REQUEST_SHARD_BYTES)

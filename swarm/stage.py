@@ -329,6 +329,11 @@ class Stage:
         names = list(weights)
         wrt = [weights[n] for n in names] + ([inputs] if inputs.requires_grad else [])
         grads = torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
+        present = [g for g in grads if g is not None]
+        if present and not torch.isfinite(torch.stack([g.detach().abs().sum() for g in present]).sum()):
+            # a finite but huge input can still overflow: nothing of it reaches the batch (fuzzing found
+            # that one such microbatch made a stage's weights NaN for good)
+            raise ValueError("the microbatch gives non-finite gradients; refused")
         for name, grad in zip(names, grads):
             if grad is not None:
                 if name in self._grad_buffer:
@@ -348,7 +353,13 @@ class Stage:
         for name, param in self.model.named_parameters():
             grad = self._grad_buffer.get(name)
             param.grad = grad.div_(self._accumulated_microbatches) if grad is not None else None
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
+        if not torch.isfinite(norm):  # never step on a non-finite gradient (a last line of defence)
+            logger.warning(f"stage {self.index}: skipped a step with a non-finite gradient norm")
+            self.optimizer.zero_grad(set_to_none=True)
+            self._grad_buffer = {}
+            self._accumulated_microbatches = self._accumulated_samples = 0
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._grad_buffer = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -114,6 +115,8 @@ class StageServer:
             raise Declined("this peer is paused")
         spec, stage = self.stage.spec, self.stage
         mb_id, route, batch_size, path = _check_forward_header(header, spec.microbatch_size, stage.index, spec.num_stages)
+        if len(tensors) != 2:
+            raise ProtocolError(f"a forward request carries 2 tensors (activations, targets), got {len(tensors)}")
         activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")
         targets = require_tensor(tensors, 1, dtype=torch.int64, shape=(batch_size, spec.model.seq_len), name="targets")
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= spec.model.vocab_size):
@@ -152,6 +155,8 @@ class StageServer:
         stage = self.stage
         if stage.is_last:
             loss, grad = await stage.forward_loss_backward(activations, targets, accumulate=count)
+            if not math.isfinite(loss):
+                raise ProtocolError("the activations give a non-finite loss")
             self._counted(mb_id, batch_size, count, loss)
             if count:
                 self.on_microbatch({"mb_id": mb_id, "loss": loss, "route": route, "samples": batch_size})
@@ -193,8 +198,8 @@ def _check_forward_header(header: dict[str, Any], max_batch: int, stage: int, nu
     if not isinstance(route, list) or not 1 <= len(route) <= MAX_ROUTE_HOPS:
         raise ProtocolError("route must be a non-empty list of hops")
     for position, hop in enumerate(route):
-        if not (isinstance(hop, list) and len(hop) == 3 and isinstance(hop[0], str) and hop[1] == position
-                and isinstance(hop[2], int) and hop[2] >= 0):
+        if not (isinstance(hop, list) and len(hop) == 3 and isinstance(hop[0], str) and 1 <= len(hop[0]) <= 128
+                and type(hop[1]) is int and hop[1] == position and type(hop[2]) is int and 0 <= hop[2] < 2**53):
             raise ProtocolError(f"route hop {position} must be [peer_id, {position}, version], got {hop!r:.100}")
     if len(route) != stage:
         raise ProtocolError(f"a microbatch for stage {stage} must have visited {stage} stages, its route has {len(route)}")

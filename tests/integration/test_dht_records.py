@@ -6,7 +6,7 @@ import asyncio
 
 from hivemind.utils import get_dht_time
 
-from dht.records import PeerRecord, RunSpec, peers_key, spec_key
+from dht.records import RUNS_KEY, PeerRecord, RunSpec, peers_key, spec_key
 from dht.registry import declare_peer, declare_run_spec, fetch_peers, fetch_run_ids, fetch_run_specs
 
 
@@ -62,5 +62,27 @@ def test_peer_record_disappears_after_its_ttl(dht_nodes):
         while await fetch_peers(reader, "alpha"):
             assert get_dht_time() < deadline, "an expired heartbeat is still listed"
             await asyncio.sleep(0.2)
+
+    asyncio.run(main())
+
+
+def test_a_plain_or_unsigned_value_cannot_replace_the_run_heartbeats(dht_nodes):
+    """Regression (tests/fuzz): one plain value stored under ``<run>.peers`` with a far expiration
+    replaced the whole dictionary on the nodes holding it, so every heartbeat of the run vanished."""
+    (a, va), (b, vb), (reader, _) = dht_nodes
+    good = PeerRecord(peer_id="good-peer", role="reliable", state="training", stage=0, flops=1e9)
+
+    async def main():
+        assert await declare_peer(a, va, "alpha", good, ttl=60)
+        await fetch_peers(b, "alpha")  # every node of a run guards its keys once it has used them
+        assert len(await fetch_peers(reader, "alpha")) == 1
+        now = get_dht_time()
+        for key in (peers_key("alpha"), spec_key("alpha"), RUNS_KEY):
+            assert not await b.store(key, b"garbage", now + 10**6, return_future=True)
+            assert not await b.store(key, good.to_wire(), now + 60, subkey=b"no owner", return_future=True)
+            assert not await b.store(key, good.to_wire(), now + 10**6, subkey=vb.local_public_key, return_future=True)
+        assert await b.store(peers_key("alpha"), {"junk": 1}, now + 60, subkey=vb.local_public_key, return_future=True)
+        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == ["good-peer"]
+        assert await b.store("unrelated", b"plain values elsewhere are fine", now + 10**6, return_future=True)
 
     asyncio.run(main())

@@ -89,7 +89,9 @@ def test_malformed_requests_are_refused_and_the_server_keeps_serving(dht_nodes):
             (good_header, [acts[:, :3], targets], "activations must be"),
             (good_header, [acts * float("nan"), targets], "NaN"),
             (good_header, [acts, targets + 1000], "vocabulary"),
-            (good_header, [acts], "missing tensor"),
+            (good_header, [acts], "carries 2 tensors"),
+            ({**good_header, "route": [["someone", False, 0]]}, [acts, targets], "route hop 0"),
+            ({**good_header, "route": [["", 0, 0]]}, [acts, targets], "route hop 0"),
         ]
         for header, tensors, reason in hostile:
             with pytest.raises(RemoteError, match=reason):

@@ -82,3 +82,17 @@ def test_two_peers_in_one_process_have_registries_of_their_own():
     b = samples(make_registry(PeerCollector(second)))  # the same metric names again: no clash
     assert any(("peer_id", "QmPeerABCDEF") in k[1] for k in a) and any(("peer_id", "QmSecond") in k[1] for k in b)
     assert a[("murmuration_status_http_bad_requests_total", ())] == 2.0
+
+
+def test_requests_are_counted_by_handler_and_outcome():
+    from dht.rpc import REQUEST_OUTCOMES
+
+    peer = training_peer()
+    REQUEST_OUTCOMES["replication probe", "refused"] += 7
+    try:
+        got = samples(make_registry(PeerCollector(peer)))
+    finally:
+        peer.stage.shutdown()
+        REQUEST_OUTCOMES["replication probe", "refused"] -= 7
+    key = ("murmuration_rpc_requests_total", (("handler", "replication probe"), ("outcome", "refused")))
+    assert got[key] >= 7.0

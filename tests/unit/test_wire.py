@@ -320,3 +320,12 @@ def test_require_tensor_rejects_a_missing_tensor():
 
 def test_protocol_error_is_a_value_error():
     assert issubclass(ProtocolError, ValueError)
+
+
+@pytest.mark.parametrize("dtype", [[], {}, ["float32"], None, 3])
+def test_an_unhashable_or_odd_dtype_is_a_protocol_error(dtype):
+    """Regression (tests/fuzz): ``[[], [1]]`` raised TypeError (unhashable list) from the dtype lookup."""
+    from dht.wire import parse_tensor_layouts
+
+    with pytest.raises(ProtocolError, match="bad tensor description"):
+        parse_tensor_layouts([[dtype, [1]]], max_payload_bytes=1 << 20)

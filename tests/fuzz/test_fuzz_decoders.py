@@ -1,0 +1,186 @@
+"""Property tests of every decoder that reads network bytes: only the documented error, ever.
+
+In-process and fast (no network): hypothesis draws arbitrary bytes and arbitrary msgpack values
+and checks that each decoder either returns a value within its limits or raises its one documented
+error (``ProtocolError``/``ValueError``/``BadRequest``), never anything else. ``derandomize=True``
+makes the examples a function of the test alone, so CI runs the same ones every time; the live
+barrage against a real peer is tests/fuzz/test_fuzz_live_peer.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+
+import msgpack
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dht.records import PeerRecord, RunSpec
+from dht.wire import ProtocolError, decode_header, parse_tensor_layouts, read_message
+from peer.http_status import BadRequest, parse_request_head
+from replication.manifest import Manifest
+from replication.server import require_int, unpack_bytes
+from swarm.stage_server import _check_forward_header
+
+EXAMPLES = 1_000
+SETTINGS = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+           | st.binary(max_size=20))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+                      max_leaves=30)
+shapes = st.lists(st.integers(-2, 2**64 - 1) | st.booleans() | st.floats(), max_size=10)
+described = st.lists(st.lists(st.sampled_from(["float32", "int64", "float16", "bfloat16", "float64", "uint8"]) | values,
+                              max_size=3) | st.tuples(st.sampled_from(["float32", "int64"]), shapes).map(list), max_size=6)
+
+
+def near_valid(valid: dict, *, extra: st.SearchStrategy = values) -> st.SearchStrategy:
+    """A valid wire dict with some fields replaced by arbitrary values, removed or added."""
+    return st.builds(lambda replaced, removed, added: {**{k: v for k, v in valid.items() if k not in removed}, **replaced, **added},
+                     st.dictionaries(st.sampled_from(sorted(valid)), extra, max_size=3),
+                     st.sets(st.sampled_from(sorted(valid)), max_size=2),
+                     st.dictionaries(st.text(max_size=8), extra, max_size=2))
+
+
+@SETTINGS
+@given(st.binary(max_size=300) | values.map(lambda v: msgpack.packb(v, use_bin_type=True)))
+def test_decode_header_returns_a_map_or_refuses(packed):
+    try:
+        header = decode_header(packed)
+    except ProtocolError:
+        return
+    assert isinstance(header, dict)
+
+
+@SETTINGS
+@given(described | values, st.sampled_from([0, 1 << 10, 1 << 29]))
+def test_tensor_layouts_stay_within_the_limit_or_are_refused(layout, limit):
+    try:
+        layouts = parse_tensor_layouts(layout, max_payload_bytes=limit)
+    except ProtocolError:
+        return
+    assert sum(nbytes for _, _, nbytes in layouts) <= limit
+    assert all(math.prod(shape) * dtype.itemsize == nbytes for dtype, shape, nbytes in layouts)
+
+
+def _read(data: bytes, limit: int):
+    async def main():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_message(reader, max_payload_bytes=limit, timeout=5)
+    return asyncio.run(main())
+
+
+def _framed(header: bytes) -> bytes:
+    return struct.pack(">I", len(header)) + header
+
+
+frames = st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda header, tail: struct.pack(">I", len(header)) + header + tail,
+              values.map(lambda v: msgpack.packb(v, use_bin_type=True)), st.binary(max_size=200)),
+    st.builds(lambda layout, tail: _framed(msgpack.packb({"tensors": layout})) + tail, described, st.binary(max_size=400)),
+    st.builds(lambda n, tail: struct.pack(">I", n) + tail, st.integers(0, 2**32 - 1), st.binary(max_size=50)),
+)
+
+
+@settings(SETTINGS, max_examples=EXAMPLES // 2)
+@given(frames, st.sampled_from([0, 256]))
+def test_read_message_returns_checked_tensors_or_refuses(data, limit):
+    try:
+        header, tensors = _read(data, limit)
+    except (ProtocolError, asyncio.IncompleteReadError):
+        return
+    assert isinstance(header, dict) and "tensors" not in header
+    assert sum(t.numel() * t.element_size() for t in tensors) <= limit
+
+
+@SETTINGS
+@given(values | near_valid(PeerRecord(peer_id="QmPeer", role="reliable", state="training", stage=0, flops=1e9).to_wire()))
+def test_peer_record_from_wire_parses_or_raises_value_error(wire):
+    try:
+        record = PeerRecord.from_wire(wire)
+    except ValueError:
+        return
+    assert record == PeerRecord.from_wire(record.to_wire())
+
+
+@SETTINGS
+@given(values | near_valid(RunSpec(run_id="demo").to_wire())
+       | near_valid(RunSpec(run_id="demo").to_wire(), extra=near_valid(RunSpec(run_id="demo").to_wire()["model"])))
+def test_run_spec_from_wire_parses_or_raises_value_error(wire):
+    try:
+        spec = RunSpec.from_wire(wire)
+    except ValueError:
+        return
+    assert spec == RunSpec.from_wire(spec.to_wire())
+
+
+_MANIFEST = {"format": 1, "hash": "blake2b-256", "run_id": "demo", "stage": 0, "version": 3, "total_bytes": 16,
+             "shard_bytes": 8, "tensors": [["w", "float32", [4], 0, 16]], "shard_hashes": ["00" * 32, "11" * 32]}
+
+
+@SETTINGS
+@given(values | near_valid(_MANIFEST))
+def test_manifest_from_wire_parses_or_raises_value_error(wire):
+    try:
+        Manifest.from_wire(wire)
+    except ValueError:
+        return
+
+
+@SETTINGS
+@given(near_valid({"mb_id": "mb-1", "route": [["QmPeer", 0, 3]], "batch_size": 4}))
+def test_forward_header_check_accepts_only_well_formed_headers(header):
+    try:
+        mb_id, route, batch_size = _check_forward_header(header, 16, 1)
+    except ProtocolError:
+        return
+    assert isinstance(mb_id, str) and 1 <= len(mb_id) <= 128 and isinstance(batch_size, int) and 1 <= batch_size <= 16
+    assert len(route) == 1 and route[0][1] == 0
+
+
+@SETTINGS
+@given(values, st.sampled_from(["index", "count", "nbytes"]))
+def test_require_int_returns_an_int_in_range_or_refuses(value, key):
+    try:
+        got = require_int({key: value}, key, low=0, high=1 << 20)
+    except ProtocolError:
+        return
+    assert type(got) is int and 0 <= got <= 1 << 20
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 64)).map(lambda ns: [torch.zeros(n, dtype=torch.int64) for n in ns[:2]]),
+       st.integers(-10, 10**6))
+def test_unpack_bytes_fits_or_refuses(tensors, nbytes):
+    try:
+        view = unpack_bytes(tensors, nbytes)
+    except ProtocolError:
+        return
+    assert len(view) == nbytes
+
+
+heads = st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda method, target, version, headers: method + b" " + target + b" " + version + b"\r\n" + headers + b"\r\n\r\n",
+              st.sampled_from([b"GET", b"HEAD", b"POST", b"get", b""]) | st.binary(max_size=8),
+              st.sampled_from([b"/", b"/status.json", b"/metrics?x=1", b"status"]) | st.binary(max_size=30),
+              st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2"]) | st.binary(max_size=10),
+              st.binary(max_size=60)),
+)
+
+
+@SETTINGS
+@given(heads)
+def test_http_request_head_parses_or_is_a_bad_request(head):
+    try:
+        method, path = parse_request_head(head)
+    except BadRequest:
+        return
+    assert method.isalpha() and method.isupper() and path.startswith("/") and "?" not in path
