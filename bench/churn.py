@@ -45,14 +45,15 @@ Metrics, from the peers' events files (:mod:`bench.churn_metrics`):
 * samples_lost: samples of microbatches "injected" by a stage-0 peer that did not crash and that
   exited cleanly after its leave (during the churn, or the SIGINT at the end), which that peer never
   finished (no stage-0 "microbatch" with the same mb_id) and did not list in its "unfinished" event
-  (what its trainer still held, waiting for a replay, when it stopped: ``samples_unfinished_at_stop``).
+  (what its trainer still held when it stopped, waiting for a replay or cut off by a hard stop:
+  ``samples_unfinished_at_stop``).
   What crashed stage-0 peers injected and never finished is ``samples_lost_at_crashed_peers`` (the
   data owner died; no scheme recovers it), and what a peer that did not exit cleanly after its
   SIGINT (killed after the grace period) never finished, ``samples_pending_at_stop``.
 * samples_double_counted: per stage, over all its replicas (crashed ones up to their crash), samples
   of each mb_id "accumulated" more than once (times the extra count); ``..._live`` leaves out the
-  crashed replicas' accumulations (their buffers died with them). The baseline's retries re-use the
-  mb_id only if the peer does; retries under new ids are not seen as duplicates here.
+  crashed replicas' accumulations (their buffers died with them). The baseline retries a microbatch
+  under the same mb_id (swarm/trainer.py), so its duplicates show here.
 * detect_seconds: per crash, the first "peer_down" about the victim on any other peer minus the kill
   time: median and max (``num_missing``: crashes no one reported). ``leave_detect_seconds`` likewise
   for graceful leaves, from the SIGINT, counting "notice" events too. ``false_suspicions``: "peer_down"
@@ -68,7 +69,9 @@ Metrics, from the peers' events files (:mod:`bench.churn_metrics`):
 Prints one JSON line per mode: ``{"bench": "churn", "mode", "goodput_ratio", "samples_lost",
 "samples_double_counted", "detect_seconds", "recover_seconds", ...}``; the baseline's line carries
 ``ours_over_baseline`` when ``ours`` ran. Metrics whose events the peers do not write are null.
-Logs and events go to a temporary directory, deleted at the end (``--keep-dir`` keeps them).
+Logs and events go to a temporary directory, deleted at the end; ``--keep-dir`` keeps them with each
+mode's ``run.json`` (window, applied trace, how each peer ended), from which ``--reanalyze DIR``
+prints the lines again without starting anything (e.g. with another ``--recover-window``).
 """
 
 from __future__ import annotations
