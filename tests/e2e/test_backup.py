@@ -80,3 +80,29 @@ def test_the_only_peer_of_a_stage_is_killed_and_the_stage_comes_back_from_its_ba
     assert len(before) >= 10, before
     print(f"loss before the kill {statistics.mean(before):.3f}, after the rescue {statistics.mean(after):.3f}")
     assert statistics.mean(after) < statistics.mean(before) + 0.15, "what was learnt must survive the crash"
+
+
+def test_a_joiner_of_a_stage_whose_only_peer_was_killed_pulls_it_from_the_backup(local_swarm):
+    """Two peers, 1 + 1: nobody can be spared for a rescue, so the stage waits for a joiner, which
+    pulls the backup from its keeper instead of starting the stage from the run seed."""
+    local_swarm.start_bootstrap()
+    peers = [local_swarm.start_peer(*ARGS) for _ in range(2)]
+    wait_for(lambda: all(p.events("status") for p in peers), 150, "two peers to train")
+    victim = next(p for p in peers if stage_of(p) == 0)
+    keeper = next(p for p in peers if p is not victim)
+    wait_for(lambda: any(e["of_stage"] == 0 and e["version"] >= 1 for e in keeper.events("backup")), 90,
+             "a backup of stage 0's trained state")
+    killed_at = time.time()
+    os.killpg(victim.pid, signal.SIGKILL)
+    backup = [e for e in keeper.events("backup") if e["of_stage"] == 0 and e["t"] < killed_at][-1]
+
+    joiner = local_swarm.start_peer(*ARGS)
+    wait_for(lambda: joiner.events("backup_restored"), 150, "the joiner to restore stage 0 from its backup")
+    restored = joiner.events("backup_restored")[0]
+    assert (restored["stage"], restored["source"], restored["version"]) == (0, "backup-donor", backup["version"])
+    assert restored["digest"] == backup["digest"]
+    assert joiner.events("state_download")[0]["donor"] == peer_id_of(keeper)
+    assert not keeper.events("rescue"), "a keeper alone in its stage stays there"
+    count = len(keeper.events("microbatch"))
+    wait_for(lambda: len(keeper.events("microbatch")) >= count + 20, 90, "training to go on through the joiner")
+    assert keeper.is_alive() and joiner.is_alive()
