@@ -216,7 +216,8 @@ class RescueWatch:
             return None  # a joiner prefers an unheld stage: let it choose first
         copies = [BackupCopy(peer_id=r.peer_id, stage=r.backup_stage, version=r.backup_version)
                   for r in self.view.records if 0 <= r.backup_stage < num_stages and r.state in HOLDER_STATES]
-        for rescue in choose_rescues(self.costs, members, copies):
+        paused = {r.peer_id for r in self.view.records if r.state == "paused"}
+        for rescue in choose_rescues(self.costs, members, copies, unmovable=paused):
             named_at = self._named.get(rescue.to_stage)
             if now - self._unheld_since[rescue.to_stage] < self.settle:
                 continue  # a view that missed a record for a moment must not move anyone

@@ -18,14 +18,17 @@ them identical). A one-stage run has no other stage to keep a backup on.
 :func:`choose_rescues`. A stage nobody holds stops the whole pipeline. For each such stage, in
 index order, one peer moves there:
 
-* only a peer whose stage keeps at least one other holder may move (a rescue never empties
-  another stage);
-* a keeper of the lost stage's backup that may move goes first: it loads the backup it already
-  has, with no download (the newest backup first, then the lower peer id);
+* only a peer whose stage keeps at least one other working holder may move (a rescue never
+  empties another stage), and not a peer its user paused (it holds its stage but takes no work,
+  so it neither moves nor counts as the holder left behind);
+* the newest backup is the one to load (several keepers of one stage are a transient: the keeper
+  changed while the holder lived); a keeper of it that may move goes first: it loads the copy it
+  already has, with no download (then the lower peer id);
 * otherwise the peer whose stage keeps the most throughput without it moves (cost model of
   :mod:`planner.stage_choice`: ``T_j = sum f_p / cost_j``), then the slower peer, then the lower
-  peer id; it pulls the backup from its keeper (the newest, then the lower peer id), or, with no
-  backup anywhere, starts the stage from a checkpoint or the run seed like a first joiner.
+  peer id; it pulls the newest backup from its keeper (the lower peer id of those holding it),
+  or, with no backup anywhere, starts the stage from a checkpoint or the run seed like a first
+  joiner.
 
 A rescue is not a rebalance: it is not gated by a gain, and it runs for peers pinned with
 ``--stage`` too (an unheld stage is a broken pipeline, worse than any imbalance).
@@ -33,7 +36,7 @@ A rescue is not a rebalance: it is not gated by a gain, and it runs for peers pi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from planner.stage_choice import StageMember, stage_throughputs
@@ -118,7 +121,8 @@ def assign_backups(num_stages: int, members: Sequence[StageMember]) -> dict[int,
 
 
 def choose_rescues(
-    stage_costs: Sequence[float], members: Sequence[StageMember], backups: Sequence[BackupCopy]
+    stage_costs: Sequence[float], members: Sequence[StageMember], backups: Sequence[BackupCopy], *,
+    unmovable: Collection[str] = (),
 ) -> list[Rescue]:
     """One rescue per unheld stage that can be rescued, in stage order (see the module docstring).
 
@@ -126,6 +130,7 @@ def choose_rescues(
         stage_costs: FLOPs per sample of each stage.
         members: the peers that hold (or are syncing) a stage.
         backups: the backups peers advertise; those of held stages are ignored.
+        unmovable: members that count as holders but may not move (paused peers).
 
     Returns:
         the rescues; empty when every stage is held or no peer may move.
@@ -138,8 +143,9 @@ def choose_rescues(
         if holders[stage]:
             continue
         copies = sorted((c for c in backups if c.stage == stage), key=lambda c: (-c.version, c.peer_id))
-        movable = {p for k, ids in enumerate(holders) if len(ids) >= 2 for p in ids}
-        own = [c for c in copies if c.peer_id in movable]
+        active = [[p for p in ids if p not in unmovable] for ids in holders]  # a paused peer serves nothing
+        movable = {p for ids in active if len(ids) >= 2 for p in ids}
+        own = [c for c in copies if c.peer_id in movable and c.version == copies[0].version]
         if own:
             rescuer, copy = by_id[own[0].peer_id], own[0]
         elif movable:

@@ -119,6 +119,15 @@ def test_the_rescuer_comes_from_the_stage_with_the_most_throughput_to_spare():
     assert (rescue.peer_id, rescue.from_stage, rescue.source) == ("e", 2, "none")  # 4 left on stage 2, the slower peer
 
 
+def test_a_paused_peer_holds_its_stage_but_is_not_moved():
+    members = [member("a", 1), member("b", 1), member("c", 1)]
+    backups = [BackupCopy(peer_id="a", stage=0, version=4)]
+    (rescue,) = choose_rescues(COSTS, members, backups, unmovable={"a"})
+    assert (rescue.peer_id, rescue.keeper_id, rescue.source) == ("b", "a", "backup-donor")
+    assert choose_rescues(COSTS, members[:2], backups, unmovable={"a"}) == []  # b is stage 1's last working peer
+    assert choose_rescues(COSTS, members, backups, unmovable={"a", "b", "c"}) == []
+
+
 def test_the_newest_backup_wins():
     members = [member("a", 1), member("b", 1), member("c", 1)]
     backups = [BackupCopy(peer_id="a", stage=0, version=3), BackupCopy(peer_id="c", stage=0, version=9),
