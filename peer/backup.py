@@ -133,23 +133,31 @@ class BackupKeeper:
 
     async def refresh_once(self) -> None:
         """One look at the view: drop a backup nobody needs, pull one that is missing or stale."""
+        due = self.due(time.monotonic())
+        if due is not None:
+            await self._pull(*due)
+
+    def due(self, now: float) -> tuple[int, PeerRecord] | None:
+        """The stage to back up now and its holder, if any; drops a backup this peer no longer keeps
+        (while its stage is unheld, the backup is kept: that is when it is needed)."""
         num_stages = self.spec.num_stages
         duties = assign_backups(num_stages, stage_members(self.view, num_stages, HOLDER_STATES))
         duty = next((d for d in duties.values() if d.keeper_id == self.peer_id), None)
         if self.backup is not None and (duty is None or duty.stage != self.backup.stage):
-            if self.view.members(self.backup.stage, states=MEMBER_STATES):  # held again, or rescued
+            # held again (a syncing joiner or rescuer may be pulling this very copy: not yet)
+            if self.view.members(self.backup.stage, states=HOLDER_STATES):
                 logger.info(f"dropped the backup of stage {self.backup.stage}: this peer is no longer its keeper")
                 self.backup = None
         if duty is None:
-            return
+            return None
         holder = next((r for r in self.view.members(duty.stage, states=HOLDER_STATES) if r.peer_id == duty.holder_id), None)
-        now, current = time.monotonic(), self.backup
+        current = self.backup
         if holder is None or now - self._failed_at < self.config.backup_period:
-            return
-        if current is not None and current.stage == duty.stage and (
+            return None
+        if current is not None and (current.stage, current.holder_id) == (duty.stage, holder.peer_id) and (
                 holder.version <= current.holder_step or now - current.pulled_at < self.config.backup_period):
-            return
-        await self._pull(duty.stage, holder)
+            return None  # the copy is as new as the holder, or was taken less than a period ago
+        return duty.stage, holder
 
     async def _pull(self, stage: int, holder: PeerRecord) -> None:
         started = time.monotonic()

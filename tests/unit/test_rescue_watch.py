@@ -1,12 +1,15 @@
-"""RescueWatch: when a peer acts on an unheld stage (settle, joiners first, grace for the one named),
-and the backup digest matching what a stage reports once the backup is loaded."""
+"""The peer's side of backups, on views built from records: when a keeper pulls or drops its copy
+(BackupKeeper.due), when a peer acts on an unheld stage (RescueWatch: settle, joiners first, grace
+for the one named), and the backup digest matching what a stage reports once the backup is loaded."""
 
 from __future__ import annotations
 
 import torch
 
 from dht.records import PeerRecord, RunSpec
-from peer.backup import RESCUE_GRACE, RescueWatch, state_digest
+from peer.backup import RESCUE_GRACE, BackupKeeper, RescueWatch, StageBackup, state_digest
+from peer.config import PeerConfig
+from peer.metrics import MetricsLog
 from swarm.stage import Stage
 from swarm.view import SwarmView
 
@@ -15,9 +18,48 @@ SETTLE = 3.0
 
 
 def record(peer_id: str, stage: int, *, state: str = "training", backup_stage: int = -1,
-           backup_version: int = 0) -> PeerRecord:
+           backup_version: int = 0, version: int = 0) -> PeerRecord:
     return PeerRecord(peer_id=peer_id, role="reliable", state=state, stage=stage, flops=1e9, announced_at=100.0,
-                      backup_stage=backup_stage, backup_version=backup_version)
+                      backup_stage=backup_stage, backup_version=backup_version, version=version)
+
+
+PERIOD = 30.0
+
+
+def keeper(peer_id: str, records: list[PeerRecord]) -> BackupKeeper:
+    view = SwarmView(None, "run")
+    view.records = records
+    config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), backup_period=PERIOD)
+    return BackupKeeper(None, view, SPEC, peer_id=peer_id, config=config, metrics=MetricsLog(None))
+
+
+def copy_of(stage: int, holder: str, *, step: int, at: float) -> StageBackup:
+    return StageBackup(stage=stage, version=step, holder_id=holder, holder_step=step, state={}, pulled_at=at, digest="")
+
+
+def test_the_keeper_pulls_at_once_then_when_the_holder_stepped_and_a_period_passed():
+    records = [record("a", 0, version=5), record("b", 1), record("c", 1)]
+    k = keeper("b", records)
+    stage, holder = k.due(0.0)
+    assert (stage, holder.peer_id) == (0, "a")
+    assert keeper("c", records).due(0.0) is None, "only the lowest peer id of the next stage keeps it"
+    k.backup = copy_of(0, "a", step=5, at=0.0)
+    assert k.due(PERIOD + 1) is None  # the holder has not stepped since
+    k.view.records = [record("a", 0, version=9), *records[1:]]
+    assert k.due(PERIOD - 1) is None  # it has, but the period is not over
+    assert k.due(PERIOD)[0] == 0
+    k.view.records = [record("j", 0), *records[1:]]  # a new holder (after a rescue or a rejoin): at once
+    assert k.due(1.0)[1].peer_id == "j"
+
+
+def test_the_copy_is_kept_while_its_stage_is_unheld_and_dropped_once_someone_else_keeps_it():
+    k = keeper("b", [record("b", 1), record("c", 1)])  # stage 0's holder is gone
+    k.backup = copy_of(0, "a", step=5, at=0.0)
+    assert k.due(1.0) is None and k.backup is not None
+    k.view.records = [record("j", 0, state="syncing"), record("b", 1), record("c", 1)]
+    assert k.due(2.0) is None and k.backup is not None  # a joiner is pulling it (maybe from this copy)
+    k.view.records = [record("j", 0), record("k", 0), record("b", 1), record("c", 1)]
+    assert k.due(3.0) is None and k.backup is None  # two holders: no backup needed
 
 
 def watches(records: list[PeerRecord]) -> dict[str, RescueWatch]:
