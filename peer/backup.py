@@ -147,6 +147,7 @@ class BackupKeeper:
             # held again (a syncing joiner or rescuer may be pulling this very copy: not yet)
             if self.view.members(self.backup.stage, states=HOLDER_STATES):
                 logger.info(f"dropped the backup of stage {self.backup.stage}: this peer is no longer its keeper")
+                self.metrics.write("backup_dropped", of_stage=self.backup.stage, version=self.backup.version)
                 self.backup = None
         if duty is None:
             return None
