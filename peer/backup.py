@@ -143,12 +143,12 @@ class BackupKeeper:
         num_stages = self.spec.num_stages
         duties = assign_backups(num_stages, stage_members(self.view, num_stages, HOLDER_STATES))
         duty = next((d for d in duties.values() if d.keeper_id == self.peer_id), None)
-        if self.backup is not None and (duty is None or duty.stage != self.backup.stage):
-            # held again (a syncing joiner or rescuer may be pulling this very copy: not yet)
-            if self.view.members(self.backup.stage, states=HOLDER_STATES):
-                logger.info(f"dropped the backup of stage {self.backup.stage}: this peer is no longer its keeper")
-                self.metrics.write("backup_dropped", of_stage=self.backup.stage, version=self.backup.version)
-                self.backup = None
+        # dropped once held again (not while a syncing joiner or rescuer may be pulling this very copy)
+        if (self.backup is not None and (duty is None or duty.stage != self.backup.stage)
+                and self.view.members(self.backup.stage, states=HOLDER_STATES)):
+            logger.info(f"dropped the backup of stage {self.backup.stage}: this peer is no longer its keeper")
+            self.metrics.write("backup_dropped", of_stage=self.backup.stage, version=self.backup.version)
+            self.backup = None
         if duty is None:
             return None
         holder = next((r for r in self.view.members(duty.stage, states=HOLDER_STATES) if r.peer_id == duty.holder_id), None)

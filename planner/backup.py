@@ -150,11 +150,8 @@ def choose_rescues(
             rescuer, copy = by_id[own[0].peer_id], own[0]
         elif movable:
             totals = stage_throughputs(stage_costs, placed)
-
-            def kept(member: StageMember) -> float:
-                return totals[member.stage] - max(member.flops, 0.0) / stage_costs[member.stage]
-
-            rescuer = min((by_id[p] for p in movable), key=lambda m: (-kept(m), m.flops, m.peer_id))
+            kept = {p: totals[by_id[p].stage] - max(by_id[p].flops, 0.0) / stage_costs[by_id[p].stage] for p in movable}
+            rescuer = min((by_id[p] for p in movable), key=lambda m: (-kept[m.peer_id], m.flops, m.peer_id))
             copy = copies[0] if copies else None
         else:
             continue

@@ -48,8 +48,8 @@ from replication.assignment import count_shards
 from replication.manifest import Manifest, build_manifest, hash_shard, piece_size_for
 
 __all__ = [
-    "MAX_PROBE_BYTES", "MAX_REQUEST_SHARD_BYTES", "MIN_REQUEST_SHARD_BYTES", "ReplicationServer",
-    "SnapshotFn", "BackupFn", "manifest_handler", "pack_bytes", "padded_bytes", "probe_handler", "require_int",
+    "MAX_PROBE_BYTES", "MAX_REQUEST_SHARD_BYTES", "MIN_REQUEST_SHARD_BYTES", "BackupFn", "ReplicationServer",
+    "SnapshotFn", "manifest_handler", "pack_bytes", "padded_bytes", "probe_handler", "require_int",
     "shard_handler", "unpack_bytes",
 ]
 

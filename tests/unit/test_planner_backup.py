@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.backup import BackupCopy, BackupDuty, Rescue, assign_backups, choose_rescues
+from planner.backup import (
+    BackupCopy,
+    BackupDuty,
+    Rescue,
+    assign_backups,
+    choose_rescues,
+)
 from planner.stage_choice import StageMember
 
 

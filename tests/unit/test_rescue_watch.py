@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 
 from dht.records import PeerRecord, RunSpec
-from peer.backup import RESCUE_GRACE, BackupKeeper, RescueWatch, StageBackup, state_digest
+from peer.backup import (
+    RESCUE_GRACE,
+    BackupKeeper,
+    RescueWatch,
+    StageBackup,
+    state_digest,
+)
 from peer.config import PeerConfig
 from peer.metrics import MetricsLog
 from swarm.stage import Stage
