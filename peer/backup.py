@@ -50,6 +50,9 @@ HOLDER_STATES = ("training", "paused")  # peers that hold a stage's live state
 MEMBER_STATES = ("training", "paused", "syncing")  # ... or are about to
 CHECK_PERIOD = 1.0  # seconds between looks at the view (cheap: no I/O)
 RESCUE_GRACE = 60.0  # seconds the named rescuer has to leave its stage and show up on the lost one
+# A refresh waits at least this many times as long as the last pull took, so that backups use at
+# most 1 / (1 + BACKOFF_FACTOR) = 20 % of the holder's upload however large the stage or slow the link.
+BACKOFF_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class StageBackup:
         holder_id / holder_step: the holder it came from, and that holder's optimizer step at the time.
         state: the tensors as ``Stage.state_tensors`` names them (less the local step counter).
         pulled_at: ``time.monotonic()`` when it arrived.
+        seconds: how long the pull took.
         digest: ``state_digest`` of its parameters (what ``Stage.params_digest`` gives once loaded).
     """
 
@@ -71,6 +75,7 @@ class StageBackup:
     holder_step: int
     state: dict[str, torch.Tensor]
     pulled_at: float
+    seconds: float
     digest: str
 
     @property
@@ -137,6 +142,11 @@ class BackupKeeper:
         if due is not None:
             await self._pull(*due)
 
+    def refresh_delay(self, backup: StageBackup) -> float:
+        """Seconds before ``backup`` may be refreshed: ``--backup-period``, or ``BACKOFF_FACTOR``
+        times its pull's duration if longer."""
+        return max(self.config.backup_period, BACKOFF_FACTOR * backup.seconds)
+
     def due(self, now: float) -> tuple[int, PeerRecord] | None:
         """The stage to back up now and its holder, if any; drops a backup this peer no longer keeps
         (while its stage is unheld, the backup is kept: that is when it is needed)."""
@@ -156,7 +166,7 @@ class BackupKeeper:
         if holder is None or now - self._failed_at < self.config.backup_period:
             return None
         if current is not None and (current.stage, current.holder_id) == (duty.stage, holder.peer_id) and (
-                holder.version <= current.holder_step or now - current.pulled_at < self.config.backup_period):
+                holder.version <= current.holder_step or now - current.pulled_at < self.refresh_delay(current)):
             return None  # the copy is as new as the holder, or was taken less than a period ago
         return duty.stage, holder
 
@@ -176,9 +186,9 @@ class BackupKeeper:
                            f"{self.config.backup_period:.0f} s")
             return
         digest = await asyncio.to_thread(state_digest, result.state)
-        self.backup = StageBackup(stage=stage, version=result.version, holder_id=holder.peer_id,
-                                  holder_step=holder.version, state=result.state, pulled_at=time.monotonic(), digest=digest)
         seconds = time.monotonic() - started
+        self.backup = StageBackup(stage=stage, version=result.version, holder_id=holder.peer_id, holder_step=holder.version,
+                                  state=result.state, pulled_at=time.monotonic(), seconds=seconds, digest=digest)
         logger.info(f"backed up stage {stage} v{result.version} from its only holder {holder.peer_id[-6:]} "
                     f"({self.backup.num_bytes / 2**20:.1f} MiB in {seconds:.2f} s)")
         self.metrics.write("backup", of_stage=stage, version=result.version, holder=holder.peer_id,

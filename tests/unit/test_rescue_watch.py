@@ -39,8 +39,9 @@ def keeper(peer_id: str, records: list[PeerRecord]) -> BackupKeeper:
     return BackupKeeper(None, view, SPEC, peer_id=peer_id, config=config, metrics=MetricsLog(None))
 
 
-def copy_of(stage: int, holder: str, *, step: int, at: float) -> StageBackup:
-    return StageBackup(stage=stage, version=step, holder_id=holder, holder_step=step, state={}, pulled_at=at, digest="")
+def copy_of(stage: int, holder: str, *, step: int, at: float, seconds: float = 0.5) -> StageBackup:
+    return StageBackup(stage=stage, version=step, holder_id=holder, holder_step=step, state={}, pulled_at=at,
+                       seconds=seconds, digest="")
 
 
 def test_the_keeper_pulls_at_once_then_when_the_holder_stepped_and_a_period_passed():
@@ -56,6 +57,14 @@ def test_the_keeper_pulls_at_once_then_when_the_holder_stepped_and_a_period_pass
     assert k.due(PERIOD)[0] == 0
     k.view.records = [record("j", 0), *records[1:]]  # a new holder (after a rescue or a rejoin): at once
     assert k.due(1.0)[1].peer_id == "j"
+
+
+def test_a_slow_pull_stretches_the_period_so_backups_take_a_fifth_of_the_upload_at_most():
+    records = [record("a", 0, version=50), record("b", 1), record("c", 1)]
+    k = keeper("b", records)
+    k.backup = copy_of(0, "a", step=5, at=0.0, seconds=20.0)  # a large stage on a slow link
+    assert k.due(PERIOD + 1) is None and k.due(79.0) is None
+    assert k.due(80.0)[0] == 0
 
 
 def test_the_copy_is_kept_while_its_stage_is_unheld_and_dropped_once_someone_else_keeps_it():
