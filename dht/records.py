@@ -180,6 +180,8 @@ class PeerRecord:
         software_version: the Murmuration version it runs ("" from peers older than this field).
         bytes_sent: bytes of pipeline and state messages it has sent since it started.
         bytes_received: likewise, received.
+        backup_stage: the stage whose backup it keeps for the swarm (``planner.backup``), -1 if none.
+        backup_version: the version of that backup (0 if none).
 
     Fields added later have defaults, so records of peers that do not send them still parse.
     """
@@ -200,6 +202,8 @@ class PeerRecord:
     software_version: str = ""
     bytes_sent: int = 0
     bytes_received: int = 0
+    backup_stage: int = -1
+    backup_version: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not 1 <= len(self.peer_id) <= 128:
@@ -210,13 +214,15 @@ class PeerRecord:
             raise ValueError(f"state must be one of {PEER_STATES}, got {self.state!r}")
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or not -1 <= self.stage < MAX_STAGES:
             raise ValueError(f"stage must be an integer in [-1, {MAX_STAGES}), got {self.stage!r}")
+        if not isinstance(self.backup_stage, int) or isinstance(self.backup_stage, bool) or not -1 <= self.backup_stage < MAX_STAGES:
+            raise ValueError(f"backup_stage must be an integer in [-1, {MAX_STAGES}), got {self.backup_stage!r}")
         _check_float("flops", self.flops, 0.0, 1e18)
         _check_float("samples_per_s", self.samples_per_s, 0.0, 1e9)
         _check_float("announced_at", self.announced_at, 0.0, 1e11)
         _check_float("averaged_at", self.averaged_at, 0.0, 1e11)
         if not isinstance(self.loss, (int, float)) or isinstance(self.loss, bool) or math.isinf(self.loss):
             raise ValueError("loss must be a finite number or NaN (none yet)")
-        for name in ("num_samples", "version", "bytes_sent", "bytes_received"):
+        for name in ("num_samples", "version", "bytes_sent", "bytes_received", "backup_version"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
                 raise ValueError(f"{name} must be a non-negative integer")

@@ -63,10 +63,11 @@ class PeerConfig:
     ban_strikes: int = field(default=8, metadata=_help("misbehaviours (malformed requests, failed calls) within 30 s that get a peer banned (0: never ban)"))
     ban_seconds: float = field(default=120.0, metadata=_help("how long a ban lasts, seconds"))
     max_upload_mbps: float = field(default=0.0, metadata=_help("cap on what this peer uploads (activations, gradients, state shards), Mbit/s (0: no cap); hivemind's DHT and averaging traffic is not counted"))
-    checkpoint_dir: str | None = field(default=None, metadata=_help("write this peer's stage to <dir>/<run>-stage<k>.safetensors every --checkpoint-period seconds and on leave; the first peer of a stage with no live holder resumes from it"))
+    checkpoint_dir: str | None = field(default=None, metadata=_help("write this peer's stage to <dir>/<run>-stage<k>.safetensors every --checkpoint-period seconds and on leave; the first peer of a stage with no live holder and no backup in the swarm resumes from it"))
     checkpoint_period: float = field(default=300.0, metadata=_help("seconds between checkpoints when --checkpoint-dir is given"))
     rebalance_period: float = field(default=60.0, metadata=_help("seconds between checks whether moving this peer to the bottleneck stage would speed the swarm up; a peer is not moved in its first two periods at a stage, nor with --stage (0: never move)"))
     rebalance_min_gain: float = field(default=0.2, metadata=_help("move only if the pipeline's bottleneck throughput rises by at least this fraction (0.2 = 20%%); FLOP/s measured on a busy machine are noisy"))
+    backup_period: float = field(default=30.0, metadata=_help("seconds between refreshes of the backup this peer keeps when it is the keeper of a stage held by a single peer (the lowest peer id of the next stage); the first copy is taken at once (0: keep no backups)"))
 
     def __post_init__(self) -> None:
         check_status_port(self.status_port)
@@ -91,7 +92,8 @@ class PeerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
         if self.heartbeat_ttl <= 2 * self.heartbeat_period:
             raise ValueError("--heartbeat-ttl must exceed two heartbeat periods, or live peers would flicker")
-        for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain", "max_upload_mbps"):
+        for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain", "max_upload_mbps",
+                     "backup_period"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.ban_strikes < 0 or not (math.isfinite(self.ban_seconds) and self.ban_seconds > 0):

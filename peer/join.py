@@ -96,28 +96,35 @@ def stage_state_bytes(stage: Stage) -> int:
 
 
 def piece_bytes_for(stage: Stage) -> int:
-    """The hash granularity for this stage's state: about 1/64 of it, a power of two between 64 KiB
-    and 1 MiB, so that a small stage still spreads over several holders. Every joiner of the stage
+    """The hash granularity for this stage's state (``piece_bytes_of``). Every joiner of the stage
     computes the same size, so the holders hash each version once."""
-    state_bytes = stage_state_bytes(stage)
+    return piece_bytes_of(stage_state_bytes(stage))
+
+
+def piece_bytes_of(state_bytes: int) -> int:
+    """About 1/64 of ``state_bytes``, a power of two between 64 KiB and 1 MiB, so that a small
+    stage still spreads over several holders."""
     piece = 64 * 1024
     while piece < 1024 * 1024 and piece * 64 < state_bytes:
         piece *= 2
     return piece
 
 
-async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *, config: PeerConfig) -> PullResult:
+async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *, config: PeerConfig,
+                           min_agreeing_donors: int = 2) -> PullResult:
     """Pull the stage's state from all its current holders at once and load it (DESIGN §1 step 5).
 
     Shards are spread over the holders by seed 003's greedy LPT rule, verified against a manifest
-    the holders agree on, and re-planned onto the others if a holder fails; with ``--state-cache``
-    an interrupted join resumes from the shards it already has.
+    ``min_agreeing_donors`` of the holders agree on (fewer if fewer answer), and re-planned onto
+    the others if a holder fails; with ``--state-cache`` an interrupted join resumes from the
+    shards it already has. The keepers of a stage's backups may hold different versions: pulled
+    from with ``min_agreeing_donors=1``, the newest wins.
 
     Raises:
         TransferError: no holder could serve the state.
     """
     transfer = TransferConfig(request_timeout=config.request_timeout, piece_bytes=piece_bytes_for(stage),
-                              min_agreeing_donors=min(2, len(holders)))
+                              min_agreeing_donors=min(min_agreeing_donors, len(holders)))
     with _state_dir(config, stage) as store_dir:
         result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.run_id,
                                   stage=stage.index, store_dir=store_dir, config=transfer)

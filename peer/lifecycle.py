@@ -7,6 +7,10 @@ same move from the same records, and only the peer it names moves: it leaves its
 leaving peer, pulls the new stage's state from that stage's holders, and trains there. No other
 peer reloads anything.
 
+A stage held by a single peer is backed up on a peer of the next stage (``peer.backup``, seed 001
+§3.4); when a stage loses its last holder, the peer ``planner.backup.choose_rescues`` names moves
+there the same way and loads the backup, whatever ``--rebalance-period`` and ``--stage`` say.
+
 The composition root: the only place that wires the DHT, the stage, its server, the router, the
 averager and the trainer together (DESIGN §1 steps 1–4, 6 and 9).
 """
@@ -28,6 +32,7 @@ from dht.records import PeerRecord, RunSpec
 from dht.reputation import Reputation
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
 from dht.registry import declare_peer, dht_time
+from peer.backup import BackupKeeper, RescueWatch, state_digest
 from peer.checkpoint import CheckpointError, WriteProgress, checkpoint_path, load_checkpoint, save_checkpoint
 from peer.config import PeerConfig
 from peer.errors import UserError
@@ -37,8 +42,10 @@ from peer.profiler import available_memory_bytes, measure_flops, resolve_device,
 from peer.status import SOFTWARE_VERSION, StatusHistory, SyncProgress, local_status, sample_peer
 from peer.status_service import open_peer_status
 from peer.status_server import StatusProtocol
+from planner.backup import Rescue
 from planner.stage_choice import StageMember, StageMove, choose_move
 from replication.server import ReplicationServer
+from replication.transfer import PullResult, TransferError
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
 from swarm.failure_detector import FailureDetector
@@ -81,6 +88,7 @@ class Peer:
         self.reputation = None if config.ban_strikes == 0 else Reputation(
             max_strikes=config.ban_strikes, ban_seconds=config.ban_seconds,
             on_ban=lambda peer_id, reason: self.metrics.write("banned", peer_id=peer_id, reason=reason))
+        self.keeper: BackupKeeper | None = None  # the backup of another stage it may keep, across moves
         self.peer_id = ""
         self.maddrs: tuple[str, ...] = ()
         self._corpus = b""
@@ -156,6 +164,7 @@ class Peer:
         self.p2p = await self.dht.replicate_p2p()
         self.status_protocol = StatusProtocol(self.p2p, lambda: local_status(self))
         await self.status_protocol.start()
+        self.keeper = BackupKeeper(self.p2p, self.view, self.spec, peer_id=self.peer_id, config=config, metrics=self.metrics)
         await self._obtain_state()
 
     def toggle_pause(self) -> None:
@@ -195,19 +204,67 @@ class Peer:
                 f"Stage {stage_index} needs about {needed / MIB:.0f} MiB but this peer's budget ({source}) is "
                 f"{budget / MIB:.0f} MiB; raise --max-memory-mb, free memory, or lower --max-in-flight.", exit_code=3)
 
-    async def _obtain_state(self) -> None:
+    async def _obtain_state(self) -> str:
+        """Load the stage's state; returns where it came from: "holders", "local-backup",
+        "backup-donor", "checkpoint" or "seed"."""
         await self.view.refresh()
         holders = [r for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id]
         if not holders:
-            if not await self._resume_from_checkpoint():
-                logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
-            return
+            restored = await self._restore_backup()
+            if restored is not None:
+                return restored
+            if await self._resume_from_checkpoint():
+                return "checkpoint"
+            logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
+            return "seed"
         self.sync_progress = SyncProgress(total_bytes=stage_state_bytes(self.stage), traffic=self.traffic)
         result = await pull_stage_state(self.p2p, self.stage, holders, config=self.config)
         self.sync_progress.finish()
+        self._downloaded(result)
+        return "holders"
+
+    def _downloaded(self, result: PullResult) -> None:
         self.metrics.write("state_download", version=result.version, seconds=result.report.seconds,
                            bytes_by_donor=result.report.bytes_by_donor, failed_donors=result.report.failed_donors,
                            donor=max(result.report.bytes_by_donor, key=result.report.bytes_by_donor.get))
+
+    async def _restore_backup(self) -> str | None:
+        """A stage nobody holds comes back from its backup: the one this peer keeps ("local-backup"),
+        else pulled from the peers that advertise one ("backup-donor"; the newest wins); None if
+        there is none (or it does not load)."""
+        stage, started = self.stage, time.monotonic()
+        backup = self.keeper.take(stage.index) if self.keeper is not None else None
+        if backup is not None:
+            try:
+                await stage.run(stage.load_state_tensors, backup.state)
+            except ValueError as e:
+                logger.warning(f"the backup of stage {stage.index} this peer kept does not load: {e}")
+            else:
+                self._backup_loaded("local-backup", backup.version, backup.digest, started)
+                return "local-backup"
+        keepers = [r for r in self.view.records if r.backup_stage == stage.index and r.peer_id != self.peer_id
+                   and r.state in ("training", "paused")]  # a syncing keeper serves nothing yet
+        if not keepers:
+            return None
+        newest = max(r.backup_version for r in keepers)
+        keepers = [r for r in keepers if r.backup_version == newest]  # older copies would outvote it
+        self.sync_progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
+        try:
+            result = await pull_stage_state(self.p2p, stage, keepers, config=self.config, min_agreeing_donors=1)
+        except (TransferError, ValueError) as e:
+            logger.warning(f"could not pull the backup of stage {stage.index} from its keepers: {e}")
+            return None
+        finally:
+            self.sync_progress.finish()
+        self._downloaded(result)
+        self._backup_loaded("backup-donor", result.version, await asyncio.to_thread(state_digest, result.state), started)
+        return "backup-donor"
+
+    def _backup_loaded(self, source: str, version: int, digest: str, started: float) -> None:
+        seconds = time.monotonic() - started
+        logger.info(f"stage {self.stage.index} restored from its backup v{version} ({source}) in {seconds:.2f} s")
+        self.metrics.write("backup_restored", stage=self.stage.index, source=source, version=version, digest=digest,
+                           seconds=seconds)
 
     async def _resume_from_checkpoint(self) -> bool:
         """The first peer of a stage loads ``--checkpoint-dir``'s checkpoint of it, if there is one."""
@@ -252,9 +309,12 @@ class Peer:
             move = await self._serve_stage(stop)
             if move is None:
                 return
-            await self._move(move)
+            if isinstance(move, Rescue):
+                await self._rescue(move)
+            else:
+                await self._move(move)
 
-    async def _serve_stage(self, stop: asyncio.Event) -> StageMove | None:
+    async def _serve_stage(self, stop: asyncio.Event) -> StageMove | Rescue | None:
         """Start the stage's services and serve until ``stop``; returns a move this peer must make."""
         config, spec, stage = self.config, self.spec, self.stage
         max_payload = int(config.max_payload_mb * MIB)
@@ -273,7 +333,8 @@ class Peer:
                                   ledger=MicrobatchLedger() if replay else None, reputation=self.reputation)
         await self.server.start()
         self.replication = ReplicationServer(self.p2p, run_id=spec.run_id, stage=stage.index,
-                                             snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout)
+                                             snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout,
+                                             backup_fn=self.keeper.backup_fn)
         await self.replication.start()
         self.notices = MembershipNotices(self.p2p, self.view, run_id=spec.run_id, peer_id=self.peer_id,
                                          on_notice=self._on_notice, on_rumour=self._on_rumour,
@@ -312,10 +373,16 @@ class Peer:
         if config.rebalance_period > 0 and config.stage < 0:  # a peer pinned with --stage stays
             rebalance = asyncio.create_task(self._rebalance_loop(), name="rebalance")
             self._tasks.append(rebalance)
+        if config.backup_period > 0:
+            self._tasks.append(asyncio.create_task(self.keeper.run(train_stop), name="backup"))
+        watch = RescueWatch(self.view, spec, peer_id=self.peer_id, settle=config.heartbeat_ttl / 2)
+        rescue = asyncio.create_task(watch.wait_rescue(), name="rescue")
+        self._tasks.append(rescue)
         await self._wait_stop(stop)
         train_stop.set()
-        if rebalance is not None and rebalance.done() and not rebalance.cancelled():
-            return rebalance.result()
+        for change in (rescue, rebalance):
+            if change is not None and change.done() and not change.cancelled():
+                return change.result()
         return None
 
     async def _rebalance_loop(self) -> StageMove:
@@ -348,15 +415,31 @@ class Peer:
                     f"throughput rises {move.gain:.0%} ({move.bottleneck_before:.1f} -> {move.bottleneck_after:.1f} samples/s)")
         self.metrics.write("moving", from_stage=move.from_stage, to_stage=move.to_stage, gain=move.gain,
                            bottleneck_before=move.bottleneck_before, bottleneck_after=move.bottleneck_after)
+        await self._switch_stage(move.to_stage)
+        self.metrics.write("moved", stage=move.to_stage, step=self.stage.version)
+
+    async def _switch_stage(self, to_stage: int) -> str:
+        """Leave the current stage as a leaving peer would, then obtain ``to_stage``'s state
+        (``_obtain_state``'s answer: where it came from)."""
         device = self.stage.device
         self.state = "leaving"
         await self._release_stage(announce=True)
         self.announced_at = dht_time()  # a newer record: peers that saw the leave notice see it again
-        self.stage, self._stage_trained = Stage(self.spec, move.to_stage, device=device), False
+        self.stage, self._stage_trained = Stage(self.spec, to_stage, device=device), False
         self.state = "syncing"
         await self._heartbeat_once()
-        await self._obtain_state()
-        self.metrics.write("moved", stage=move.to_stage, step=self.stage.version)
+        return await self._obtain_state()
+
+    async def _rescue(self, rescue: Rescue) -> None:
+        """Leave the current stage and take over ``rescue.to_stage``, which lost its last holder."""
+        logger.info(f"stage {rescue.to_stage} has no holder left: moving there from stage {rescue.from_stage} "
+                    f"(its backup: {rescue.source}, v{rescue.backup_version})")
+        self.metrics.write("rescuing", stage=rescue.to_stage, from_stage=rescue.from_stage, keeper=rescue.keeper_id,
+                           backup_version=rescue.backup_version)
+        restored = await self._switch_stage(rescue.to_stage)
+        digest = await self.stage.run(self.stage.params_digest)
+        self.metrics.write("rescue", stage=rescue.to_stage, from_stage=rescue.from_stage, source=restored,
+                           planned_source=rescue.source, digest=digest, step=self.stage.version)
 
     def _load_corpus(self) -> bytes:
         try:
@@ -431,6 +514,7 @@ class Peer:
 
     def _record(self, stage: int | None = None) -> PeerRecord:
         counters = self.stage.counters if self.stage else None
+        backup = self.keeper.backup if self.keeper else None
         return PeerRecord(
             peer_id=self.peer_id, role=self.role, state=self.state,
             stage=stage if stage is not None else self.stage.index, flops=self.flops,
@@ -438,6 +522,7 @@ class Peer:
             num_samples=counters.num_samples if counters else 0,
             version=self.stage.version if self.stage else 0,
             loss=counters.last_loss if counters else math.nan, announced_at=self.announced_at,
+            backup_stage=backup.stage if backup else -1, backup_version=backup.version if backup else 0,
             maddrs=self.maddrs, params_digest=self.averaged[1], averaged_at=self.averaged[0],
             software_version=SOFTWARE_VERSION, bytes_sent=self.traffic.bytes_sent,
             bytes_received=self.traffic.bytes_received,
@@ -479,9 +564,11 @@ class Peer:
 
     async def _serving_snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """What this peer serves to joiners: the state of its last averaging round, which every replica
-        of the stage holds bit-identical (so several donors serve one manifest); before any round, its
-        current state."""
-        if self.stage.snapshot is not None:
+        of the stage holds bit-identical (so several donors serve one manifest); before any round, or
+        alone in its stage (no round refreshes the snapshot then; its backup keeper must not copy a
+        stale one), its current state."""
+        alone = not [r for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id]
+        if self.stage.snapshot is not None and not alone:
             return self.stage.snapshot
         state = await self.stage.run(self.stage.state_tensors)
         del state["counters.num_steps"]

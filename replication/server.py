@@ -21,6 +21,11 @@ The state bytes of a version are copied once (``build_manifest``) and kept for t
 replicas of a stage hold bit-identical state after an averaging round, so every donor builds the
 same manifest for the same (version, shard_bytes) and the joiner can compare them.
 
+A peer that keeps the backup of another stage (``planner.backup``, seed 001 §3.4) serves it through
+the same three RPCs: every request names its stage, and ``backup_fn(stage)`` gives the snapshot of
+the backup this peer holds of that stage (None: it holds none, and the request is refused). Each
+stage has its own cache of frozen versions.
+
 Every request is validated (``ProtocolError``/``ValueError``, never ``assert``); a bad one is
 refused with a logged reason and the donor keeps serving.
 """
@@ -43,7 +48,7 @@ from replication.assignment import count_shards
 from replication.manifest import Manifest, build_manifest, hash_shard, piece_size_for
 
 __all__ = [
-    "MAX_PROBE_BYTES", "MAX_REQUEST_SHARD_BYTES", "MIN_REQUEST_SHARD_BYTES", "ReplicationServer",
+    "MAX_PROBE_BYTES", "MAX_REQUEST_SHARD_BYTES", "MIN_REQUEST_SHARD_BYTES", "BackupFn", "ReplicationServer",
     "SnapshotFn", "manifest_handler", "pack_bytes", "padded_bytes", "probe_handler", "require_int",
     "shard_handler", "unpack_bytes",
 ]
@@ -51,6 +56,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], Awaitable[tuple[int, Mapping[str, torch.Tensor]]]]
+BackupFn = Callable[[int], SnapshotFn | None]
 MAX_PROBE_BYTES = 4 * 1024 * 1024
 MIN_REQUEST_SHARD_BYTES = 4096  # below this, hashing every shard is a cheap CPU attack
 MAX_REQUEST_SHARD_BYTES = 1 << 30
@@ -119,7 +125,8 @@ class _Version:
 
 
 class ReplicationServer:
-    """Serves this peer's stage state to joiners (seed 003 §III, the neighbour's side)."""
+    """Serves this peer's stage state to joiners (seed 003 §III, the neighbour's side), and the
+    backup it keeps of another stage, if any (``backup_fn``)."""
 
     def __init__(
         self,
@@ -130,14 +137,16 @@ class ReplicationServer:
         snapshot_fn: SnapshotFn,
         request_timeout: float = 30.0,
         max_cached: int = 2,
+        backup_fn: BackupFn = lambda stage: None,
     ) -> None:
         if request_timeout <= 0 or max_cached < 1:
             raise ValueError("request_timeout must be > 0 and max_cached >= 1")
         self.p2p, self.run_id, self.stage = p2p, run_id, stage
         self.snapshot_fn, self.request_timeout, self.max_cached = snapshot_fn, request_timeout, max_cached
+        self.backup_fn = backup_fn
         self.num_refused = 0
         self.num_shards_served = 0
-        self._versions: OrderedDict[int, _Version] = OrderedDict()
+        self._cache: dict[int, OrderedDict[int, _Version]] = {stage: OrderedDict()}  # stage -> version -> bytes
         self._build_lock = asyncio.Lock()
         self._send_locks: dict[Any, asyncio.Lock] = {}  # caller -> its shards leave in turn
         self._handlers: list[str] = []
@@ -176,23 +185,25 @@ class ReplicationServer:
     async def rpc_probe(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve(reader, writer, self._process_probe, what="probe")
 
-    def cached_shard_sizes(self, version: int) -> tuple[int, ...]:
-        """The shard sizes a manifest of ``version`` was built for and is still cached (for metrics)."""
-        held = self._versions.get(version)
+    def cached_shard_sizes(self, version: int, *, stage: int | None = None) -> tuple[int, ...]:
+        """The shard sizes a manifest of ``version`` (of this peer's stage, or of ``stage``) was built
+        for and is still cached (for metrics)."""
+        held = self._cache.get(self.stage if stage is None else stage, {}).get(version)
         return () if held is None else tuple(sorted(held.manifests))
 
     async def load_shard(
-        self, version: int, shard_bytes: int, index: int, count: int = 1
+        self, version: int, shard_bytes: int, index: int, count: int = 1, *, stage: int | None = None
     ) -> bytes | bytearray | memoryview:
-        """The bytes of shards ``index`` .. ``index + count - 1`` of a held version (an override
-        point for fault tests).
+        """The bytes of shards ``index`` .. ``index + count - 1`` of a held version of this peer's
+        stage (or of the backup of ``stage``); an override point for fault tests.
 
         Raises:
             ValueError: the version is not held (never built or evicted) or the range is out of range.
         """
-        held = self._versions.get(version)
+        versions = self._cache.get(self.stage if stage is None else stage, {})
+        held = versions.get(version)
         if held is None:
-            raise ValueError(f"version {version} is not held here (held: {list(self._versions)})")
+            raise ValueError(f"version {version} is not held here (held: {list(versions)})")
         num_shards = count_shards(len(held.data), shard_bytes)
         if index >= num_shards or index + count > num_shards:
             raise ValueError(f"shard index {index} (+{count}) out of range 0..{num_shards - 1}")
@@ -210,44 +221,53 @@ class ReplicationServer:
         await serve_request(reader, writer, process_header, max_payload_bytes=0, timeout=self.request_timeout,
                             what=f"replication {what}", on_outcome=self._count, send_lock=send_lock)
 
-    def _require_stage(self, header: Mapping[str, Any]) -> None:
+    def _require_stage(self, header: Mapping[str, Any]) -> tuple[int, SnapshotFn]:
+        """The stage asked for and its snapshot function: this peer's stage, or one it keeps a backup of."""
         stage = header.get("stage")
-        # exactly this int: 1.0 == 1 and True == 1 in Python, but neither is a stage on the wire
-        if type(stage) is not int or stage != self.stage:
-            raise ValueError(f"asked for stage {stage!r:.40}, this peer serves stage {self.stage}")
+        # exactly an int: 1.0 == 1 and True == 1 in Python, but neither is a stage on the wire
+        if type(stage) is int and stage == self.stage:
+            return self.stage, self.snapshot_fn
+        is_index = type(stage) is int
+        backup = self.backup_fn(stage) if is_index else None
+        if backup is None:
+            if is_index and stage != self.stage:
+                self._cache.pop(stage, None)  # a dropped backup: free its frozen versions
+            raise ValueError(f"asked for stage {stage!r:.40}, this peer serves stage {self.stage} and keeps no backup of it")
+        return stage, backup
 
     def _require_shard_bytes(self, header: Mapping[str, Any]) -> int:
         return require_int(header, "shard_bytes", low=MIN_REQUEST_SHARD_BYTES, high=MAX_REQUEST_SHARD_BYTES)
 
     async def _process_manifest(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        self._require_stage(header)
+        stage, snapshot_fn = self._require_stage(header)
         shard_bytes = self._require_shard_bytes(header)
         pinned = None if header.get("version") is None else require_int(header, "version")
         async with self._build_lock:  # concurrent joiners share one build
-            manifest = await self._describe(shard_bytes, pinned)
-        logger.debug(f"replication: manifest v{manifest.version} s={shard_bytes} served")
+            manifest = await self._describe(stage, snapshot_fn, shard_bytes, pinned)
+        logger.debug(f"replication: manifest of stage {stage} v{manifest.version} s={shard_bytes} served")
         return {"ok": True, "manifest": manifest.to_wire()}, []
 
-    async def _describe(self, min_piece_bytes: int, pinned: int | None) -> Manifest:
-        """The manifest of ``pinned`` (or of a fresh snapshot) at the piece size ``piece_size_for``
-        gives its state and ``min_piece_bytes``, built once."""
+    async def _describe(self, stage: int, snapshot_fn: SnapshotFn, min_piece_bytes: int, pinned: int | None) -> Manifest:
+        """The manifest of ``pinned`` (or of a fresh snapshot) of ``stage`` at the piece size
+        ``piece_size_for`` gives its state and ``min_piece_bytes``, built once."""
+        versions = self._cache.setdefault(stage, OrderedDict())
         if pinned is None:
-            version, state = await self.snapshot_fn()
-            if version not in self._versions:
+            version, state = await snapshot_fn()
+            if version not in versions:
                 total = sum(t.numel() * t.element_size() for t in state.values())
                 manifest, data = await asyncio.to_thread(
-                    build_manifest, state, run_id=self.run_id, stage=self.stage, version=version,
+                    build_manifest, state, run_id=self.run_id, stage=stage, version=version,
                     shard_bytes=piece_size_for(total, min_piece_bytes))
                 # Served without a copy (pack_bytes): a writable view of the frozen snapshot, which
                 # nothing writes to.
                 writable = memoryview(data.obj) if isinstance(data.obj, bytearray) else data
-                self._remember(version, _Version(writable, {manifest.shard_bytes: manifest}))
-        elif pinned in self._versions:
+                self._remember(stage, version, _Version(writable, {manifest.shard_bytes: manifest}))
+        elif pinned in versions:
             version = pinned
         else:
-            raise ValueError(f"version {pinned} is no longer held here (held: {list(self._versions)})")
-        held = self._versions[version]
-        self._versions.move_to_end(version)
+            raise ValueError(f"version {pinned} is no longer held here (held: {list(versions)})")
+        held = versions[version]
+        versions.move_to_end(version)
         shard_bytes = piece_size_for(len(held.data), min_piece_bytes)
         if shard_bytes not in held.manifests:  # piece_size_for keeps it to MAX_PIECES digests
             base = next(iter(held.manifests.values()))
@@ -257,23 +277,24 @@ class ReplicationServer:
             held.manifests[shard_bytes] = dataclasses.replace(base, shard_bytes=shard_bytes, shard_hashes=hashes)
         return held.manifests[shard_bytes]
 
-    def _remember(self, version: int, held: _Version) -> None:
-        self._versions[version] = held
-        while len(self._versions) > self.max_cached:
-            evicted, _ = self._versions.popitem(last=False)
-            logger.info(f"replication: stage {self.stage} version {evicted} evicted from the serving cache")
+    def _remember(self, stage: int, version: int, held: _Version) -> None:
+        versions = self._cache[stage]
+        versions[version] = held
+        while len(versions) > self.max_cached:
+            evicted, _ = versions.popitem(last=False)
+            logger.info(f"replication: stage {stage} version {evicted} evicted from the serving cache")
 
     async def _process_shard(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        self._require_stage(header)
+        stage, _ = self._require_stage(header)
         version = require_int(header, "version")
         shard_bytes = self._require_shard_bytes(header)
         index = require_int(header, "index")
         count = 1 if header.get("count") is None else require_int(header, "count", low=1, high=MAX_REQUEST_SHARDS)
         if count * shard_bytes > MAX_REQUEST_SHARD_BYTES:
             raise ValueError(f"{count} shards of {shard_bytes} bytes exceed {MAX_REQUEST_SHARD_BYTES} bytes")
-        data = await self.load_shard(version, shard_bytes, index, count)
+        data = await self.load_shard(version, shard_bytes, index, count, stage=stage)
         self.num_shards_served += count
-        logger.debug(f"replication: shards {index}+{count} of v{version} ({len(data)} bytes) served")
+        logger.debug(f"replication: shards {index}+{count} of stage {stage} v{version} ({len(data)} bytes) served")
         return {"ok": True, "index": index, "nbytes": len(data)}, [pack_bytes(data)]
 
     async def _process_probe(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:

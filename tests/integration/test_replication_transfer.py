@@ -101,11 +101,12 @@ class CountingServer(ReplicationServer):
         self.pieces: list[int] = []  # every piece asked for
         self.fault = fault
 
-    async def load_shard(self, version: int, shard_bytes: int, index: int, count: int = 1) -> bytes | bytearray | memoryview:
+    async def load_shard(self, version: int, shard_bytes: int, index: int, count: int = 1,
+                         **kwargs) -> bytes | bytearray | memoryview:
         self.requested.append(index)
         self.pieces.extend(range(index, index + count))
         self.shard_bytes = shard_bytes
-        data = await super().load_shard(version, shard_bytes, index, count)
+        data = await super().load_shard(version, shard_bytes, index, count, **kwargs)
         return data if self.fault is None else await self.fault(self, index, data)
 
 

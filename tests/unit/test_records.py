@@ -114,6 +114,18 @@ def test_peer_record_of_an_older_peer_without_status_fields_parses():
     assert (record.software_version, record.bytes_sent, record.bytes_received) == ("", 0, 0)
 
 
+def test_peer_record_of_a_peer_without_backup_fields_parses_as_keeping_no_backup():
+    wire = make_record().to_wire()
+    del wire["backup_stage"], wire["backup_version"]
+    record = PeerRecord.from_wire(through_msgpack(wire))
+    assert (record.backup_stage, record.backup_version) == (-1, 0)
+
+
+def test_peer_record_backup_fields_round_trip():
+    record = make_record(backup_stage=3, backup_version=1_790_000_040)
+    assert PeerRecord.from_wire(through_msgpack(record.to_wire())) == record
+
+
 def test_peer_record_status_fields_round_trip():
     record = make_record(software_version="0.1.0+dev", bytes_sent=12_345, bytes_received=2**40)
     assert PeerRecord.from_wire(through_msgpack(record.to_wire())) == record
@@ -309,6 +321,12 @@ BAD_RECORD_WIRES = {
     "float bytes_received": record_wire(bytes_received=1.5),
     "bool bytes_sent": record_wire(bytes_sent=True),
     "huge bytes_received": record_wire(bytes_received=2**62),
+    "backup_stage below -1": record_wire(backup_stage=-2),
+    "backup_stage too large": record_wire(backup_stage=64),
+    "bool backup_stage": record_wire(backup_stage=True),
+    "str backup_stage": record_wire(backup_stage="0"),
+    "negative backup_version": record_wire(backup_version=-1),
+    "float backup_version": record_wire(backup_version=2.5),
 }
 
 

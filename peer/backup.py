@@ -1,0 +1,248 @@
+"""Backups of singly held stages, and rescues of stages that lost their last holder (DESIGN §1 step 7).
+
+Seed 001 §3.4's topology-driven model backup, as three steps every peer runs on its own view of the
+swarm (the planner's functions in :mod:`planner.backup` decide; nothing is negotiated):
+
+* :class:`BackupKeeper`: if ``assign_backups`` names this peer the keeper of stage ``k`` (held by
+  one peer only), it pulls ``k``'s state from that holder with the replication client, at once and
+  then whenever the holder has stepped since, at most every ``--backup-period`` seconds; it keeps
+  the copy in memory, advertises it in its record (``backup_stage``, ``backup_version``) and serves
+  it through its ``ReplicationServer`` to whoever needs it. It keeps the copy while stage ``k`` is
+  unheld (that is when it is needed) and drops it once another peer is the keeper of a held ``k``.
+* :class:`RescueWatch`: once a stage has been seen unheld for ``settle`` seconds (and no joiner is
+  about to choose it), ``choose_rescues`` names one peer to take it over; that peer's lifecycle
+  leaves its own stage and loads the backup (its own copy, or pulled from the keeper).
+* a joiner that lands on an unheld stage pulls it from the backup's keeper before it considers a
+  checkpoint or the run seed (``Peer._obtain_state``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hivemind.p2p import P2P
+
+from dht.records import PeerRecord, RunSpec
+from peer.config import PeerConfig
+from peer.join import piece_bytes_of
+from peer.metrics import MetricsLog
+from planner.backup import BackupCopy, Rescue, assign_backups, choose_rescues
+from planner.stage_choice import StageMember
+from replication.server import SnapshotFn
+from replication.transfer import TransferConfig, TransferError, pull_state
+from swarm.model import stage_flops_per_sample, stage_num_params
+from swarm.view import SwarmView
+
+__all__ = ["BackupKeeper", "RescueWatch", "StageBackup", "state_digest"]
+
+logger = logging.getLogger(__name__)
+
+HOLDER_STATES = ("training", "paused")  # peers that hold a stage's live state
+MEMBER_STATES = ("training", "paused", "syncing")  # ... or are about to
+CHECK_PERIOD = 1.0  # seconds between looks at the view (cheap: no I/O)
+RESCUE_GRACE = 60.0  # seconds the named rescuer has to leave its stage and show up on the lost one
+# A refresh waits at least this many times as long as the last pull took, so that backups use at
+# most 1 / (1 + BACKOFF_FACTOR) = 20 % of the holder's upload however large the stage or slow the link.
+BACKOFF_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class StageBackup:
+    """The copy of another stage's state this peer keeps.
+
+    Attributes:
+        stage: the stage it is a copy of.
+        version: the version its holder served (its snapshot's version).
+        holder_id / holder_step: the holder it came from, and that holder's optimizer step at the time.
+        state: the tensors as ``Stage.state_tensors`` names them (less the local step counter).
+        pulled_at: ``time.monotonic()`` when it arrived.
+        seconds: how long the pull took.
+        digest: ``state_digest`` of its parameters (what ``Stage.params_digest`` gives once loaded).
+    """
+
+    stage: int
+    version: int
+    holder_id: str
+    holder_step: int
+    state: dict[str, torch.Tensor]
+    pulled_at: float
+    seconds: float
+    digest: str
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """The digest ``Stage.params_digest`` gives for a stage holding ``state`` (its ``model.*`` tensors)."""
+    digest = hashlib.blake2b(digest_size=12)
+    for name, value in sorted((k[len("model."):], v) for k, v in state.items() if k.startswith("model.")):
+        digest.update(name.encode())
+        digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def stage_members(view: SwarmView, num_stages: int, states: tuple[str, ...]) -> list[StageMember]:
+    return [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops)
+            for k in range(num_stages) for r in view.members(k, states=states)]
+
+
+class BackupKeeper:
+    """Keeps the backup ``planner.backup.assign_backups`` gives this peer, for the peer's whole life
+    (across stage moves: a rescuer loads the backup it kept after leaving its own stage)."""
+
+    def __init__(self, p2p: P2P, view: SwarmView, spec: RunSpec, *, peer_id: str, config: PeerConfig,
+                 metrics: MetricsLog) -> None:
+        self.p2p, self.view, self.spec, self.peer_id = p2p, view, spec, peer_id
+        self.config, self.metrics = config, metrics
+        self.backup: StageBackup | None = None
+        self._failed_at = -float("inf")  # a failed pull waits a period before the next try
+
+    def backup_fn(self, stage: int) -> SnapshotFn | None:
+        """``ReplicationServer``'s ``backup_fn``: the snapshot of the backup of ``stage``, if kept."""
+        backup = self.backup
+        if backup is None or backup.stage != stage:
+            return None
+
+        async def snapshot() -> tuple[int, dict[str, torch.Tensor]]:
+            return backup.version, backup.state
+        return snapshot
+
+    def take(self, stage: int) -> StageBackup | None:
+        """Hand the backup of ``stage`` over to this peer's own stage (a rescue); None if not kept."""
+        backup = self.backup
+        if backup is None or backup.stage != stage:
+            return None
+        self.backup = None
+        return backup
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Refresh the backup (if this peer is a keeper) every ``CHECK_PERIOD`` seconds until ``stop``."""
+        while not stop.is_set():
+            started = time.monotonic()
+            await self.refresh_once()
+            elapsed = time.monotonic() - started
+            if elapsed > self.config.backup_period:
+                logger.warning(f"a backup refresh took {elapsed:.1f} s, longer than --backup-period")
+            await asyncio.sleep(CHECK_PERIOD * random.uniform(0.8, 1.2))
+
+    async def refresh_once(self) -> None:
+        """One look at the view: drop a backup nobody needs, pull one that is missing or stale."""
+        due = self.due(time.monotonic())
+        if due is not None:
+            await self._pull(*due)
+
+    def refresh_delay(self, backup: StageBackup) -> float:
+        """Seconds before ``backup`` may be refreshed: ``--backup-period``, or ``BACKOFF_FACTOR``
+        times its pull's duration if longer."""
+        return max(self.config.backup_period, BACKOFF_FACTOR * backup.seconds)
+
+    def due(self, now: float) -> tuple[int, PeerRecord] | None:
+        """The stage to back up now and its holder, if any; drops a backup this peer no longer keeps
+        (while its stage is unheld, the backup is kept: that is when it is needed)."""
+        num_stages = self.spec.num_stages
+        duties = assign_backups(num_stages, stage_members(self.view, num_stages, HOLDER_STATES))
+        duty = next((d for d in duties.values() if d.keeper_id == self.peer_id), None)
+        # dropped once held again (not while a syncing joiner or rescuer may be pulling this very copy)
+        if (self.backup is not None and (duty is None or duty.stage != self.backup.stage)
+                and self.view.members(self.backup.stage, states=HOLDER_STATES)):
+            logger.info(f"dropped the backup of stage {self.backup.stage}: this peer is no longer its keeper")
+            self.metrics.write("backup_dropped", of_stage=self.backup.stage, version=self.backup.version)
+            self.backup = None
+        if duty is None:
+            return None
+        holder = next((r for r in self.view.members(duty.stage, states=HOLDER_STATES) if r.peer_id == duty.holder_id), None)
+        current = self.backup
+        if holder is None or now - self._failed_at < self.config.backup_period:
+            return None
+        if current is not None and (current.stage, current.holder_id) == (duty.stage, holder.peer_id) and (
+                holder.version <= current.holder_step or now - current.pulled_at < self.refresh_delay(current)):
+            return None  # the copy is as new as the holder, or was taken less than a period ago
+        return duty.stage, holder
+
+    async def _pull(self, stage: int, holder: PeerRecord) -> None:
+        started = time.monotonic()
+        state_bytes = 3 * 4 * stage_num_params(self.spec, stage)  # float32 parameters and two AdamW moments
+        transfer = TransferConfig(request_timeout=self.config.request_timeout, piece_bytes=piece_bytes_of(state_bytes),
+                                  min_agreeing_donors=1)
+        try:
+            with tempfile.TemporaryDirectory(prefix="murmuration-backup-") as store_dir:
+                result = await pull_state(self.p2p, [holder.peer_id], run_id=self.spec.run_id, stage=stage,
+                                          store_dir=Path(store_dir), config=transfer)
+            _check_identity(self.spec, stage, result.state)
+        except (TransferError, ValueError) as e:
+            self._failed_at = time.monotonic()
+            logger.warning(f"could not back up stage {stage} from {holder.peer_id[-6:]}: {e}; retrying in "
+                           f"{self.config.backup_period:.0f} s")
+            return
+        digest = await asyncio.to_thread(state_digest, result.state)
+        seconds = time.monotonic() - started
+        self.backup = StageBackup(stage=stage, version=result.version, holder_id=holder.peer_id, holder_step=holder.version,
+                                  state=result.state, pulled_at=time.monotonic(), seconds=seconds, digest=digest)
+        logger.info(f"backed up stage {stage} v{result.version} from its only holder {holder.peer_id[-6:]} "
+                    f"({self.backup.num_bytes / 2**20:.1f} MiB in {seconds:.2f} s)")
+        self.metrics.write("backup", of_stage=stage, version=result.version, holder=holder.peer_id,
+                           holder_step=holder.version, seconds=seconds, bytes=self.backup.num_bytes, digest=digest)
+
+
+def _check_identity(spec: RunSpec, stage: int, state: Mapping[str, torch.Tensor]) -> None:
+    """A backup must say it is of ``stage`` (the full check runs when a rescuer loads it)."""
+    identity = torch.tensor([stage, *spec.stage_layers[stage]], dtype=torch.int64)
+    layers = state.get("stage.layers")
+    if layers is None or layers.dtype != torch.int64 or layers.shape != identity.shape or not torch.equal(layers, identity):
+        raise ValueError(f"the state served as stage {stage} is not of stage {stage}")
+
+
+class RescueWatch:
+    """Names the rescue of a stage nobody holds, once it has stayed unheld for ``settle`` seconds."""
+
+    def __init__(self, view: SwarmView, spec: RunSpec, *, peer_id: str, settle: float) -> None:
+        self.view, self.spec, self.peer_id, self.settle = view, spec, peer_id, settle
+        self.costs = [stage_flops_per_sample(spec, k) for k in range(spec.num_stages)]
+        self._unheld_since: dict[int, float] = {}  # stage -> when first seen unheld
+        self._named: dict[int, float] = {}  # stage -> when a rescuer (maybe another peer) was named
+
+    async def wait_rescue(self) -> Rescue:
+        """Returns once this peer is the one to rescue a stage (never otherwise; cancelled on leave)."""
+        while True:
+            rescue = self.check(time.monotonic())
+            if rescue is not None:
+                return rescue
+            await asyncio.sleep(CHECK_PERIOD * random.uniform(0.8, 1.2))
+
+    def check(self, now: float) -> Rescue | None:
+        """This peer's rescue, if the current view calls for one (see the module docstring)."""
+        num_stages = self.spec.num_stages
+        members = stage_members(self.view, num_stages, MEMBER_STATES)
+        held = {m.stage for m in members}
+        for stage in range(num_stages):
+            if stage in held:
+                self._unheld_since.pop(stage, None)
+                self._named.pop(stage, None)
+            else:
+                self._unheld_since.setdefault(stage, now)
+        if any(r.state == "joining" for r in self.view.records):
+            return None  # a joiner prefers an unheld stage: let it choose first
+        copies = [BackupCopy(peer_id=r.peer_id, stage=r.backup_stage, version=r.backup_version)
+                  for r in self.view.records if 0 <= r.backup_stage < num_stages and r.state in HOLDER_STATES]
+        paused = {r.peer_id for r in self.view.records if r.state == "paused"}
+        for rescue in choose_rescues(self.costs, members, copies, unmovable=paused):
+            named_at = self._named.get(rescue.to_stage)
+            if now - self._unheld_since[rescue.to_stage] < self.settle:
+                continue  # a view that missed a record for a moment must not move anyone
+            if named_at is not None and now - named_at < RESCUE_GRACE:
+                continue  # the peer named is leaving its stage (its record says "leaving", or nothing yet)
+            self._named[rescue.to_stage] = now
+            if rescue.peer_id == self.peer_id:
+                return rescue
+        return None

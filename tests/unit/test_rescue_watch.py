@@ -1,0 +1,137 @@
+"""The peer's side of backups, on views built from records: when a keeper pulls or drops its copy
+(BackupKeeper.due), when a peer acts on an unheld stage (RescueWatch: settle, joiners first, grace
+for the one named), and the backup digest matching what a stage reports once the backup is loaded."""
+
+from __future__ import annotations
+
+import torch
+
+from dht.records import PeerRecord, RunSpec
+from peer.backup import (
+    RESCUE_GRACE,
+    BackupKeeper,
+    RescueWatch,
+    StageBackup,
+    state_digest,
+)
+from peer.config import PeerConfig
+from peer.metrics import MetricsLog
+from swarm.stage import Stage
+from swarm.view import SwarmView
+
+SPEC = RunSpec(run_id="run")
+SETTLE = 3.0
+
+
+def record(peer_id: str, stage: int, *, state: str = "training", backup_stage: int = -1,
+           backup_version: int = 0, version: int = 0) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, role="reliable", state=state, stage=stage, flops=1e9, announced_at=100.0,
+                      backup_stage=backup_stage, backup_version=backup_version, version=version)
+
+
+PERIOD = 30.0
+
+
+def keeper(peer_id: str, records: list[PeerRecord]) -> BackupKeeper:
+    view = SwarmView(None, "run")
+    view.records = records
+    config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), backup_period=PERIOD)
+    return BackupKeeper(None, view, SPEC, peer_id=peer_id, config=config, metrics=MetricsLog(None))
+
+
+def copy_of(stage: int, holder: str, *, step: int, at: float, seconds: float = 0.5) -> StageBackup:
+    return StageBackup(stage=stage, version=step, holder_id=holder, holder_step=step, state={}, pulled_at=at,
+                       seconds=seconds, digest="")
+
+
+def test_the_keeper_pulls_at_once_then_when_the_holder_stepped_and_a_period_passed():
+    records = [record("a", 0, version=5), record("b", 1), record("c", 1)]
+    k = keeper("b", records)
+    stage, holder = k.due(0.0)
+    assert (stage, holder.peer_id) == (0, "a")
+    assert keeper("c", records).due(0.0) is None, "only the lowest peer id of the next stage keeps it"
+    k.backup = copy_of(0, "a", step=5, at=0.0)
+    assert k.due(PERIOD + 1) is None  # the holder has not stepped since
+    k.view.records = [record("a", 0, version=9), *records[1:]]
+    assert k.due(PERIOD - 1) is None  # it has, but the period is not over
+    assert k.due(PERIOD)[0] == 0
+    k.view.records = [record("j", 0), *records[1:]]  # a new holder (after a rescue or a rejoin): at once
+    assert k.due(1.0)[1].peer_id == "j"
+
+
+def test_a_slow_pull_stretches_the_period_so_backups_take_a_fifth_of_the_upload_at_most():
+    records = [record("a", 0, version=50), record("b", 1), record("c", 1)]
+    k = keeper("b", records)
+    k.backup = copy_of(0, "a", step=5, at=0.0, seconds=20.0)  # a large stage on a slow link
+    assert k.due(PERIOD + 1) is None and k.due(79.0) is None
+    assert k.due(80.0)[0] == 0
+
+
+def test_the_copy_is_kept_while_its_stage_is_unheld_and_dropped_once_someone_else_keeps_it():
+    k = keeper("b", [record("b", 1), record("c", 1)])  # stage 0's holder is gone
+    k.backup = copy_of(0, "a", step=5, at=0.0)
+    assert k.due(1.0) is None and k.backup is not None
+    k.view.records = [record("j", 0, state="syncing"), record("b", 1), record("c", 1)]
+    assert k.due(2.0) is None and k.backup is not None  # a joiner is pulling it (maybe from this copy)
+    k.view.records = [record("j", 0), record("k", 0), record("b", 1), record("c", 1)]
+    assert k.due(3.0) is None and k.backup is None  # two holders: no backup needed
+
+
+def watches(records: list[PeerRecord]) -> dict[str, RescueWatch]:
+    view = SwarmView(None, "run")
+    view.records = records
+    return {r.peer_id: RescueWatch(view, SPEC, peer_id=r.peer_id, settle=SETTLE) for r in records}
+
+
+def test_the_keeper_is_named_once_the_stage_stayed_unheld_for_the_settle_time():
+    records = [record("b", 1, backup_stage=0, backup_version=9), record("c", 1)]
+    peers = watches(records)
+    assert all(w.check(10.0) is None for w in peers.values())  # first seen unheld now
+    assert all(w.check(10.0 + SETTLE - 0.1) is None for w in peers.values())
+    rescue = peers["b"].check(10.0 + SETTLE)
+    assert rescue is not None and (rescue.to_stage, rescue.from_stage, rescue.source) == (0, 1, "local-backup")
+    assert peers["c"].check(10.0 + SETTLE) is None
+
+
+def test_a_stage_held_again_resets_the_clock():
+    records = [record("b", 1, backup_stage=0), record("c", 1)]
+    watch = watches(records)["b"]
+    watch.check(0.0)
+    watch.view.records = [*records, record("j", 0, state="syncing")]  # a joiner is pulling it
+    assert watch.check(SETTLE) is None
+    watch.view.records = records  # it vanished again
+    assert watch.check(2 * SETTLE) is None and watch.check(3 * SETTLE) is not None
+
+
+def test_nobody_moves_while_a_joiner_is_choosing():
+    records = [record("b", 1, backup_stage=0), record("c", 1), record("j", -1, state="joining")]
+    watch = watches(records)["b"]
+    assert watch.check(0.0) is None and watch.check(100.0) is None
+
+
+def test_other_peers_give_the_named_rescuer_its_grace_period_then_plan_again():
+    # c is named first; b watches c leave (record "leaving"), and only after the grace is b named
+    records = [record("a", 1), record("b", 1), record("c", 1, backup_stage=0)]
+    peers = watches(records)  # one view, shared: they all see the same records
+    others = (peers["a"], peers["b"])
+    assert all(w.check(0.0) is None for w in others)
+    assert all(w.check(SETTLE) is None for w in others)  # c is the one named
+    peers["b"].view.records = [record("a", 1), record("b", 1), record("c", 1, state="leaving")]
+    assert all(w.check(SETTLE + 1.0) is None for w in others)
+    assert all(w.check(SETTLE + RESCUE_GRACE - 1.0) is None for w in others)
+    late = [w.check(SETTLE + RESCUE_GRACE) for w in others]
+    assert late[0] is not None and late[1] is None, "once the grace is over, exactly one other peer is named"
+    assert (late[0].to_stage, late[0].source) == (0, "none")  # c's copy left with it
+
+
+def test_the_backup_digest_is_the_digest_of_the_stage_that_loads_it():
+    stage = Stage(SPEC, 1, device=torch.device("cpu"))
+    try:
+        state = stage.state_tensors()
+        name = next(k for k in state if k.startswith("model."))
+        state[name] += 1.0  # a trained state, not the seed's
+        stage.load_state_tensors(state)
+        assert state_digest(state) == stage.params_digest()
+        assert state_digest(state) != state_digest(Stage(SPEC, 1, device=torch.device("cpu")).state_tensors())
+    finally:
+        stage.shutdown()
