@@ -45,6 +45,7 @@ from peer.status_server import StatusProtocol
 from planner.backup import Rescue
 from planner.stage_choice import StageMember, StageMove, choose_move
 from replication.server import ReplicationServer
+from replication.report import DisagreementError
 from replication.transfer import PullResult, TransferError
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
@@ -62,6 +63,8 @@ logger = logging.getLogger(__name__)
 MIB = 2**20
 LEAVE_TIMEOUT = 10.0
 PAUSE_FILE_PERIOD = 0.5
+DISAGREEMENT_PATIENCE = 60.0  # seconds a joiner retries holders that serve different states
+DISAGREEMENT_RETRY = 2.0
 RUMOUR_CHECK_TIMEOUT = 0.5  # seconds a peer waits for a ping answer before it believes a crash rumour
 
 
@@ -218,7 +221,20 @@ class Peer:
             logger.info(f"first peer of stage {self.stage.index}: initialised from the run seed {self.spec.seed}")
             return "seed"
         self.sync_progress = SyncProgress(total_bytes=stage_state_bytes(self.stage), traffic=self.traffic)
-        result = await pull_stage_state(self.p2p, self.stage, holders, config=self.config)
+        deadline = time.monotonic() + DISAGREEMENT_PATIENCE
+        while True:
+            try:
+                result = await pull_stage_state(self.p2p, self.stage, holders, config=self.config)
+                break
+            except DisagreementError:
+                # holders that serve different versions (one just alone, one between averaging rounds)
+                # agree again within a round: wait for it rather than trust a single donor or give up
+                if time.monotonic() > deadline:
+                    raise
+                logger.info(f"the holders of stage {self.stage.index} disagree on its state; asking again shortly")
+                await asyncio.sleep(DISAGREEMENT_RETRY)
+                await self.view.refresh()
+                holders = [r for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id] or holders
         self.sync_progress.finish()
         self._downloaded(result)
         return "holders"

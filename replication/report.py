@@ -61,6 +61,10 @@ class TransferError(RuntimeError):
         self.report = report
 
 
+class DisagreementError(TransferError):
+    """Fewer donors than required served the same manifest (they hold different versions)."""
+
+
 def drop_donor(report: PullReport, peer_id: str, reason: str) -> None:
     """Records (once) and logs why ``peer_id`` is no longer used by this pull."""
     report.failed_donors.setdefault(peer_id, reason)

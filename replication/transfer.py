@@ -38,7 +38,7 @@ from replication.assignment import NeighbourLink, SearchConfig, plan_replication
 from replication.client import DONOR_FAULTS, Session, call_manifest, call_probe
 from replication.fetcher import PieceFetcher, split_runs
 from replication.manifest import Manifest, ManifestLimits, restore_state
-from replication.report import PullReport, TransferError, drop_donor
+from replication.report import DisagreementError, PullReport, TransferError, drop_donor
 from replication.server import MAX_PROBE_BYTES, MAX_REQUEST_SHARD_BYTES, MIN_REQUEST_SHARD_BYTES
 from replication.shard_store import ShardStore
 
@@ -182,7 +182,7 @@ async def agree_on_manifest(
         drop_donor(report, peer_id, f"its manifest (v{manifests[peer_id].version}) disagrees with "
                                     f"{len(agreeing)} donor(s) at v{manifest.version}")
     if len(agreeing) < min(config.min_agreeing_donors, len(manifests)):
-        raise TransferError(f"no {config.min_agreeing_donors} donors agree on the manifest", report)
+        raise DisagreementError(f"no {config.min_agreeing_donors} donors agree on the manifest", report)
     return agreeing, manifest
 
 
