@@ -95,7 +95,10 @@ def swarm(tmp_path_factory) -> Iterator[Swarm]:
         ports = [free_port(), free_port()]
         local.start_bootstrap()
         for stage, port in enumerate(ports):
-            local.start_peer("--num-threads", "1", "--stage", str(stage), "--status-port", str(port), "--quiet")
+            # bans off: this measures each handler's own validation (a ban would close the fuzzer's
+            # streams unanswered after 8 strikes; bans are tested in tests/integration/test_task_pool.py)
+            local.start_peer("--num-threads", "1", "--stage", str(stage), "--status-port", str(port), "--quiet",
+                             "--ban-strikes", "0")
         wait_for(lambda: len(local.peers[1].events("microbatch")) >= 3 or not all(p.is_alive() for p in local.peers),
                  150, "the swarm to train")
         assert all(p.is_alive() for p in local.peers), local.logs()
@@ -113,7 +116,10 @@ async def exchange(p2p: P2P, peer_id: PeerID, handler: str, message: Hostile) ->
         _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handler)
         try:
             writer.write(message.data)
-            await writer.drain()
+            try:
+                await writer.drain()
+            except (ConnectionResetError, BrokenPipeError):
+                return "reset"  # the peer answered and hung up before it read the whole message (rare, under load)
             if not message.complete:
                 return "cut short"  # we hang up (finally); the peer drops what it got
             try:
@@ -145,7 +151,7 @@ async def flood_handler(p2p: P2P, peer_id: PeerID, handler: str, messages: Itera
             strategies[message.strategy] += 1
             if outcome == "cut short":
                 cut_short_strategies.add(message.strategy)
-            if outcome not in ("refused", "cut short") and len(surprises) < 5:
+            if outcome not in ("refused", "cut short", "reset") and len(surprises) < 5:
                 surprises.append(f"{outcome}: {message.strategy}: {message.data[:120]!r}")
 
     await asyncio.gather(*(worker() for _ in range(STREAMS_PER_HANDLER)))
@@ -242,9 +248,12 @@ def test_every_handler_refuses_10k_hostile_messages_and_training_goes_on(swarm, 
                                        for label, outcome in sorted(counts_after) if label in SERVER_LABELS.values()}}))
     for kind, label in SERVER_LABELS.items():
         outcomes = results[kind]["outcomes"]
-        assert set(outcomes) <= {"refused", "cut short"} and outcomes["refused"] > 0.8 * MESSAGES_PER_HANDLER, (kind, outcomes)
+        assert set(outcomes) <= {"refused", "cut short", "reset"} and outcomes["refused"] > 0.8 * MESSAGES_PER_HANDLER, (kind, outcomes)
+        assert outcomes["reset"] <= 0.001 * MESSAGES_PER_HANDLER, (kind, outcomes)
         refused = counts_after.get((label, "refused"), 0) - counts_before.get((label, "refused"), 0)
-        assert refused == outcomes["refused"], f"{kind}: the peer counted {refused} refusals, we saw {outcomes['refused']}"
+        # a reset is a refusal whose answer we could not read: the peer counted it refused, or abandoned
+        assert outcomes["refused"] <= refused <= outcomes["refused"] + outcomes["reset"], \
+            f"{kind}: the peer counted {refused} refusals, we saw {outcomes['refused']} (+{outcomes['reset']} resets)"
         assert counts_after.get((label, "error"), 0) == 0, f"{kind}: an internal error (a bug) while serving"
         # a cut-short message reset before the daemon handed the stream over never reaches the handler
         abandoned = counts_after.get((label, "abandoned"), 0) - counts_before.get((label, "abandoned"), 0)
