@@ -29,23 +29,40 @@ import torch
 
 from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import PeerRecord, RunSpec
+from dht.registry import declare_peer, dht_time
 from dht.reputation import Reputation
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
-from dht.registry import declare_peer, dht_time
 from peer.backup import BackupKeeper, RescueWatch, state_digest
-from peer.checkpoint import CheckpointError, WriteProgress, checkpoint_path, load_checkpoint, save_checkpoint
+from peer.checkpoint import (
+    CheckpointError,
+    WriteProgress,
+    checkpoint_path,
+    load_checkpoint,
+    save_checkpoint,
+)
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state, stage_state_bytes
 from peer.metrics import MetricsLog
-from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
-from peer.status import SOFTWARE_VERSION, StatusHistory, SyncProgress, local_status, sample_peer
-from peer.status_service import open_peer_status
+from peer.profiler import (
+    available_memory_bytes,
+    measure_flops,
+    resolve_device,
+    stage_memory_bytes,
+)
+from peer.status import (
+    SOFTWARE_VERSION,
+    StatusHistory,
+    SyncProgress,
+    local_status,
+    sample_peer,
+)
 from peer.status_server import StatusProtocol
+from peer.status_service import open_peer_status
 from planner.backup import Rescue
 from planner.stage_choice import StageMember, StageMove, choose_move
-from replication.server import ReplicationServer
 from replication.report import DisagreementError
+from replication.server import ReplicationServer
 from replication.transfer import PullResult, TransferError
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
@@ -604,8 +621,7 @@ class Peer:
     def _peer_down(self, peer_id: str, how: str) -> None:
         """``peer_id`` is gone (scale-in, seed 003 §IV): send it nothing new (see swarm/router.py) and,
         if this peer's own detector found out, tell the others."""
-        started = time.perf_counter()
-        self.view.mark_departed(peer_id)
+        started = time.perf_counter()  # the detector or the notice already marked it departed in the view
         if self.router is not None:
             self.router.peer_down(peer_id)
         handle_ms = (time.perf_counter() - started) * 1e3  # the local handling, no network I/O

@@ -66,20 +66,19 @@ class PhiAccrual:
 
     def phi(self, now: float) -> float:
         """-log10 of the chance that a live peer's next heartbeat comes this late or later."""
-        if self.last is None:
-            return 0.0
-        z = (now - self.last - self.mean) / self.std
-        tail = 0.5 * math.erfc(z / math.sqrt(2))
-        return -math.log10(max(tail, 1e-300))
+        return 0.0 if self.last is None else self._phi_after(now - self.last)
 
     def timeout(self, threshold: float) -> float:
         """How long after the last heartbeat phi reaches ``threshold`` (for the ping deadline)."""
         low, high = 0.0, self.mean + 40 * self.std
         for _ in range(50):
             mid = (low + high) / 2
-            tail = 0.5 * math.erfc((mid - self.mean) / self.std / math.sqrt(2))
-            low, high = (mid, high) if -math.log10(max(tail, 1e-300)) < threshold else (low, mid)
+            low, high = (mid, high) if self._phi_after(mid) < threshold else (low, mid)
         return high
+
+    def _phi_after(self, elapsed: float) -> float:
+        tail = 0.5 * math.erfc((elapsed - self.mean) / self.std / math.sqrt(2))
+        return -math.log10(max(tail, 1e-300))
 
 
 class FailureDetector:

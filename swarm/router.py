@@ -37,7 +37,13 @@ from hivemind.p2p import P2P
 
 from dht.records import PeerRecord
 from dht.reputation import Reputation
-from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, forward_handler
+from dht.rpc import (
+    Declined,
+    PeerUnavailableError,
+    RemoteError,
+    call_peer,
+    forward_handler,
+)
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)

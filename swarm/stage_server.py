@@ -126,11 +126,9 @@ class StageServer:
         route = [*route, [self.peer_id, stage.index, stage.version]]
         ledger = self.ledger
         if ledger is None:
-            reply, reply_tensors = await self._compute(mb_id, route, path, batch_size, activations, targets, count=True)
-            return reply, reply_tensors
+            return await self._compute(mb_id, route, path, batch_size, activations, targets, count=True)
         running = ledger.running(mb_id)
         if running is not None:  # a re-delivery while the first is still being computed here
-            ledger.num_joined += 1
             reply, reply_tensors = await asyncio.shield(running)
             return {**reply, "route": route + reply["route"]}, reply_tensors
         answer = ledger.answer(mb_id)

@@ -130,7 +130,10 @@ class MicrobatchLedger:
         self.num_recomputed = 0  # re-deliveries of a counted id computed again without counting
 
     def running(self, mb_id: str) -> asyncio.Future | None:
-        return self._running.get(mb_id)
+        """The computation of ``mb_id`` in progress here, if any (a re-delivery joins it)."""
+        future = self._running.get(mb_id)
+        self.num_joined += future is not None
+        return future
 
     def answer(self, mb_id: str) -> _Answer | None:
         self._expire()

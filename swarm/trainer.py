@@ -161,7 +161,7 @@ class Trainer:
         try:
             await stage.backward(task.mb_id, grads[0])
         except ValueError as e:  # a gradient that would poison the stage: replay the microbatch
-            logger.warning(f"microbatch {task.mb_id}: {e} (stage 1 peer {str(reply.get('route', [[0], ['?']])[1][0])[-6:]})")
+            logger.warning(f"microbatch {task.mb_id} came back with an unusable gradient: {e}")
             self.pool.put_back(task, str(e))
             raise NoPeerAvailableError(f"microbatch {task.mb_id} came back with an unusable gradient") from e
         return float(reply.get("loss", float("nan"))), reply.get("route", route)

@@ -21,10 +21,8 @@ import collections
 import itertools
 import json
 import math
-import socket
 import struct
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import msgpack
@@ -41,7 +39,14 @@ from peer.local_swarm import LocalSwarm, wait_for
 from peer.status_server import STATUS_PROTOCOL
 from replication.server import manifest_handler, probe_handler, shard_handler
 from swarm.membership import membership_handler
-from tests.fuzz.hostile import Hostile, Target, garbage_peer_records, hostile_messages, http_messages
+from tests.e2e.test_status_page import free_port, get
+from tests.fuzz.hostile import (
+    Hostile,
+    Target,
+    garbage_peer_records,
+    hostile_messages,
+    http_messages,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SEED = 20261122
@@ -50,18 +55,6 @@ STREAMS_PER_HANDLER = 6  # concurrent streams per handler, all over one libp2p c
 HTTP_CONNECTIONS = 8
 REPLY_TIMEOUT = 20.0
 RUN_ID = "demo"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def get(port: int, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-        assert response.status == 200
-        return response.read()
 
 
 def request_counts(port: int) -> dict[tuple[str, str], float]:
