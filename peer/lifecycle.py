@@ -319,13 +319,14 @@ class Peer:
         """This stage's state to ``--checkpoint-dir``, atomically (a crash keeps the previous one)."""
         started, stage = time.monotonic(), self.stage
         state = await stage.run(stage.state_tensors)
+        version = int(state["counters.num_steps"])  # the state's own step: the stage may step while this writes
         path = checkpoint_path(self.config.checkpoint_dir, self.spec.run_id, stage.index)
         self.checkpoint_progress = WriteProgress()
-        await asyncio.to_thread(save_checkpoint, path, state, spec=self.spec, stage=stage.index, version=stage.version,
+        await asyncio.to_thread(save_checkpoint, path, state, spec=self.spec, stage=stage.index, version=version,
                                 progress=self.checkpoint_progress)
         seconds = time.monotonic() - started
-        logger.info(f"checkpoint of stage {stage.index} step {stage.version} written to {path} in {seconds:.2f} s")
-        self.metrics.write("checkpoint", stage=stage.index, version=stage.version, seconds=seconds,
+        logger.info(f"checkpoint of stage {stage.index} step {version} written to {path} in {seconds:.2f} s")
+        self.metrics.write("checkpoint", stage=stage.index, version=version, seconds=seconds,
                            bytes=path.stat().st_size, path=str(path))
 
     async def _checkpoint_loop(self) -> None:
@@ -604,8 +605,7 @@ class Peer:
         if self.stage.snapshot is not None and not alone:
             return self.stage.snapshot
         state = await self.stage.run(self.stage.state_tensors)
-        del state["counters.num_steps"]
-        return self.stage.version, state
+        return int(state.pop("counters.num_steps")), state  # the version this state has, not a later step
 
     def _on_microbatch(self, event: dict) -> None:
         self.metrics.write("microbatch", stage=self.stage.index, **event)
