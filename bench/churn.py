@@ -4,7 +4,7 @@
 
 Each mode, one after the other in one invocation (this machine is noisy: compare within one run):
 
-1. starts run_bootstrap.py (2 stages) and ``--peers`` run_peer.py processes on 127.0.0.1
+1. starts run_bootstrap.py (``--stages``, default 2) and ``--peers`` run_peer.py processes on 127.0.0.1
    (:class:`peer.local_swarm.LocalSwarm`; ``--num-threads 1 --rebalance-period 0``, so the stage map
    changes only through churn; ``--status-period 1``, so a peer's first status line dates its start
    of training within a second), waits until every peer trains, then ``--warmup`` seconds;
@@ -100,7 +100,7 @@ from bench.churn_metrics import (  # noqa: E402
 MODES = ("no_churn", "ours", "baseline")
 RECOVERY = {"no_churn": "replay", "ours": "replay", "baseline": "restart"}
 STATUS_PERIOD = 1.0
-NUM_STAGES = 2
+NUM_STAGES = 2  # the default of --stages
 POLL_PERIOD = 1.0
 LEAVE_KILL_AFTER = 60.0  # a leaving peer still up after this long is killed (its LEAVE_TIMEOUT is 10 s)
 RECOVER_THRESHOLD = 0.9
@@ -178,7 +178,7 @@ def run_mode(mode: str, trace: list[TraceEvent], args: argparse.Namespace, workd
         return all(p.stage is not None for p in tracked)
 
     try:
-        swarm.start_bootstrap("--num-stages", str(NUM_STAGES), "--seed", str(args.seed))
+        swarm.start_bootstrap("--num-stages", str(args.stages), "--seed", str(args.seed))
         for _ in range(args.peers):
             start_peer()
         wait_for(all_training, args.start_timeout, "every peer to train", period=POLL_PERIOD)
@@ -271,14 +271,18 @@ def reference_of(run: dict) -> dict:
     start, end = run["window"]
     lives = lives_of(run)
     goodput = samples_between(completions(lives), start, end) / (end - start)
-    return {"goodput": goodput, "rates": per_peer_rates(goodput, stage_counts(lives, start, end, NUM_STAGES))}
+    return {"goodput": goodput, "rates": per_peer_rates(goodput, stage_counts(lives, start, end, num_stages(run)))}
+
+
+def num_stages(run: dict) -> int:
+    return int(run.get("settings", {}).get("stages", NUM_STAGES))  # runs kept before --stages had 2
 
 
 def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict | None, recovery: str) -> dict:
     """The mode's JSON line. ``reference``: the no_churn run's goodput and per-peer rates, if it ran."""
     start, end = run["window"]
     lives = lives_of(run)
-    counts = stage_counts(lives, start, end, NUM_STAGES)
+    counts = stage_counts(lives, start, end, num_stages(run))
     done = completions(lives)
     goodput = samples_between(done, start, end) / (end - start)
     first_event = min([e["at"] for e in run["applied"]] or [end - start])
@@ -286,7 +290,7 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
     if reference is not None:
         rates, source = reference["rates"], "no_churn run"
     else:
-        rates = per_peer_rates(pre_churn, stage_counts(lives, start, start + first_event, NUM_STAGES))
+        rates = per_peer_rates(pre_churn, stage_counts(lives, start, start + first_event, num_stages(run)))
         source = "this run (by construction)" if mode == "no_churn" else "this run's first event period"
     capacity = capacity_segments(counts, rates)
     capacity_mean = integrate(capacity, start, end) / (end - start)
@@ -328,8 +332,8 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
         "events": dict(kinds), "num_skipped": sum("skipped" in e for e in run["applied"]),
         "died_unasked": [life.name for life in lives if life.crashed and not any(
             e.get("peer") == life.name and e["kind"] == "crash" for e in run["applied"])],
-        "peers": args.peers,
-        "peers_per_stage_at_end": [sum(1 for life in alive_at_end if life.stage == k) for k in range(NUM_STAGES)],
+        "peers": args.peers, "stages": num_stages(run),
+        "peers_per_stage_at_end": [sum(1 for life in alive_at_end if life.stage == k) for k in range(num_stages(run))],
         "minutes": round((end - start) / 60, 2), "event_period": args.event_period, "seed": args.seed,
         "recovery": recovery,
         "trace": [trace_entry(e, lives) for e in run["applied"]],
@@ -352,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=10.0, help="measured window per mode, minutes (default 10)")
     parser.add_argument("--event-period", type=float, default=30.0, help="seconds between churn events (default 30)")
     parser.add_argument("--peers", type=int, default=6, help="peers at the start (default 6: 3 + 3)")
+    parser.add_argument("--stages", type=int, default=NUM_STAGES, help="pipeline stages (default 2; 3 puts crashes "
+                        "in a middle stage, where a re-send at the hop and a restart from stage 0 differ most)")
     parser.add_argument("--min-peers", type=int, default=4, help="the trace keeps at least this many peers (default 4)")
     parser.add_argument("--max-peers", type=int, default=7, help="and at most this many (default 7)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the churn trace and of the run (default 0)")
@@ -393,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.keep_dir or Path(tmp)
         for mode in sorted(args.modes, key=MODES.index):  # no_churn first: the others' capacity comes from it
             run = run_mode(mode, trace, args, workdir, has_recovery=has_recovery)
-            run["settings"] = {"peers": args.peers, "event_period": args.event_period, "seed": args.seed,
+            run["settings"] = {"peers": args.peers, "stages": args.stages, "event_period": args.event_period, "seed": args.seed,
                                "recovery": RECOVERY[mode] if has_recovery else "unsupported"}
             if args.keep_dir is not None:
                 save_run(run, workdir / mode / "run.json")
