@@ -85,6 +85,7 @@ class Stage:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
         self._init_optimizer_state()
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # state frozen at the last averaging round
+        self.snapshot_tag = ""  # the weights' tag of that snapshot (see weights_tag)
         self.counters = StageCounters()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
         self._weights: dict[str, torch.Tensor] = {}
@@ -276,12 +277,16 @@ class Stage:
         moments = [self.optimizer.state[p][key] for key in OPTIMIZER_STATE_KEYS for p in params]
         return params + moments
 
-    def publish_averaged(self, version: int) -> None:
+    def publish_averaged(self, version: int) -> str:
         """After the master state was overwritten by an averaging round (compute thread): forwards move
-        to the new weights, and the state is frozen as the snapshot replicas serve to joiners."""
+        to the new weights, and the state is frozen as the snapshot replicas serve to joiners.
+        Returns the parameters' digest, which is part of the weights' tag: should a round split into
+        two groups at the same time, their members do not take each other's weights for their own."""
         self._publish_weights()
-        self.weights_tag = f"avg{version}"
+        digest = self.params_digest()
+        self.weights_tag = self.snapshot_tag = f"avg{version}:{digest}"
         self.keep_snapshot(version)
+        return digest
 
     def keep_snapshot(self, version: int) -> None:
         """Freeze the current state as the one replicas serve to joiners (call on the compute thread)."""
@@ -345,7 +350,7 @@ class Stage:
 
     def _check_forward_sync(self, inputs: torch.Tensor, wanted_tag: str = "") -> tuple[torch.Tensor, str]:
         tag, weights = self.weights_tag, self._weights
-        if wanted_tag and wanted_tag != tag and self.snapshot is not None and wanted_tag == f"avg{self.snapshot[0]}":
+        if wanted_tag and wanted_tag != tag and self.snapshot is not None and wanted_tag == self.snapshot_tag:
             state = self.snapshot[1]
             tag, weights = wanted_tag, {name: state[f"model.{name}"].to(self.device) for name in weights}
         with torch.no_grad():

@@ -70,19 +70,20 @@ def test_weight_tags_follow_steps_and_averaging_and_a_check_can_use_the_snapshot
     async def main(stage):
         inputs, targets = batch(1)
         assert stage.weights_tag == f"seed{spec.seed}"
-        await stage.run(stage.publish_averaged, 1700)
-        assert stage.weights_tag == "avg1700"
+        digest = await stage.run(stage.publish_averaged, 1700)
+        averaged = f"avg1700:{digest}"
+        assert stage.weights_tag == averaged and digest == await stage.run(stage.params_digest)
         before, tag = await stage.check_forward(inputs)
-        assert tag == "avg1700"
+        assert tag == averaged
         loss, _ = await stage.forward_loss_backward(inputs, targets)
         stage.record_microbatch(2, loss)
         await stage.wait_step_done()
         assert stage.version == 1 and stage.weights_tag == ""  # its own weights now
         now, tag = await stage.check_forward(inputs)
         assert tag == "" and fingerprint_distance(now, before) > STRICT_TOLERANCE
-        again, tag = await stage.check_forward(inputs, weights_tag="avg1700")  # the round's snapshot
-        assert tag == "avg1700" and torch.equal(again, before)
-        _, tag = await stage.check_forward(inputs, weights_tag="avg1699")  # a round it does not hold
+        again, tag = await stage.check_forward(inputs, weights_tag=averaged)  # the round's snapshot
+        assert tag == averaged and torch.equal(again, before)
+        _, tag = await stage.check_forward(inputs, weights_tag="avg1699:" + digest)  # a round it does not hold
         assert tag == ""
         await stage.run(stage.load_state_tensors, stage.state_tensors())
         assert stage.weights_tag == ""
