@@ -126,13 +126,17 @@ class SpotChecker:
         if len(self._tasks) >= MAX_CONCURRENT_CHECKS:
             self._report(mb_id, "skipped", [peer_id], reason="too many checks in flight")
             return
-        if fingerprint is None or not isinstance(reply.get("weights"), str):
+        tag = reply.get("weights")
+        if fingerprint is None or not isinstance(tag, str) or len(tag) > 128:
             self._report(mb_id, "skipped", [peer_id], reason="the replica sent no fingerprint")
             return
-        first = Answer(peer_id, fingerprint, reply["weights"])
-        request = {"kind": "check", "mb_id": mb_id, "route": header.get("route"), "batch_size": header.get("batch_size"),
-                   "weights": first.weights_tag}
         others = [p for p in candidates if p != peer_id]
+        if not others:
+            self._report(mb_id, "skipped", [peer_id], reason="no other replica to recompute it")
+            return
+        first = Answer(peer_id, fingerprint, tag)
+        request = {"kind": "check", "mb_id": mb_id, "route": header.get("route"), "batch_size": header.get("batch_size"),
+                   "weights": tag}
         self.rng.shuffle(others)
         task = asyncio.create_task(self._check(request, list(tensors), first, others), name=f"spot-check {mb_id}")
         self._tasks.add(task)
@@ -160,8 +164,8 @@ class SpotChecker:
             return
         peers = [first.peer_id, second.peer_id]
         distance, tolerance, strict = self._compare(first, second)
-        if tolerance is None:
-            self._report(mb_id, "skipped", peers, reason=f"the replicas used different weights "
+        if tolerance is None:  # the distance is still reported: it shows how far honest replicas drift
+            self._report(mb_id, "skipped", peers, distance=distance, reason=f"the replicas used different weights "
                          f"({first.weights_tag or 'own'} and {second.weights_tag or 'own'})")
             return
         if distance <= tolerance:

@@ -232,7 +232,7 @@ def test_a_donor_that_keeps_serving_corrupted_pieces_is_struck_then_banned_and_n
 
     async def main():
         servers = await start_donors(donor_nodes, [STATE] * 3)
-        inject_corrupt_shards(servers[1])  # flips a byte of every odd-numbered piece it serves
+        inject_corrupt_shards(servers[1])  # every second request it answers has a byte of each piece flipped
         liar = donors[1]
         reputation = Reputation(max_strikes=2 * CORRUPT_PIECE_STRIKES, window=600.0,
                                 on_ban=lambda peer_id, reason: bans.append((peer_id, reason)))
@@ -241,7 +241,7 @@ def test_a_donor_that_keeps_serving_corrupted_pieces_is_struck_then_banned_and_n
             assert_identical(result.state)  # the right state every time, from the honest donors
             report = result.report
             assert list(report.failed_donors) == [liar] and "does not match" in report.failed_donors[liar]
-            assert liar not in report.shards_by_donor and report.num_refetched >= 1
+            assert report.num_refetched >= 1  # what it had left went to the others (its honest answers count)
             assert_accounted(result)
             if attempt == 1:  # proof of corruption weighs several strikes, but one run is not yet a ban
                 assert CORRUPT_PIECE_STRIKES <= reputation.num_strikes_of(liar) < 2 * CORRUPT_PIECE_STRIKES
