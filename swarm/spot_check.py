@@ -25,10 +25,12 @@ since). The two are compared by their relative distance ``|a - b| / max(|a|, |b|
   local steps apart early in training differ by 0.1-1.5 on this scale (docs/spot-checks.md), as
   much as garbage outputs (1.0), so no loose tolerance is both safe and useful by default.
 
-A mismatch is suspicion of both: each gets a strike (``dht.reputation``), not a ban. When the stage
-has a third replica, it arbitrates: the one (or both) whose fingerprint it does not match is struck,
-the other is cleared. So a single faulty replica collects strikes from every check it takes part in
-while honest ones collect none, and it is banned after ``--ban-strikes`` checks in the window.
+A mismatch is suspicion of both: each gets a strike (``dht.reputation``), not a ban, and at most one
+per ``SUSPICION_PERIOD`` so that suspicion alone never adds up to a ban. When the stage has a third
+replica, it arbitrates: if it sides with one answer, the other replica is blamed and struck every
+time, and the one it sided with is cleared. So a single faulty replica collects a strike from every
+check it takes part in while honest ones collect none, and it is banned after ``--ban-strikes``
+checks in the window.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +57,10 @@ FINGERPRINT_DIMS = 2  # directions per (sample, position): 2 / d_model of the ac
 FINGERPRINT_SEED = 0x5F07C4EC  # every replica projects on the same directions
 STRICT_TOLERANCE = 1e-3  # same weights: float32 reassociation (threads, kernels) stays far below this
 MAX_CONCURRENT_CHECKS = 4  # checks in flight at once; a microbatch drawn beyond that is not checked
+# An unarbitrated mismatch strikes a peer at most once per this many seconds: with the default
+# 8 strikes in 30 s, suspicion alone (at most 3 strikes per window) never bans, so a faulty replica
+# cannot get its one honest partner banned; blame from an arbiter strikes every time.
+SUSPICION_PERIOD = 10.0
 OUTCOMES = ("match", "mismatch", "skipped")
 
 _directions: dict[tuple[int, str], torch.Tensor] = {}
@@ -99,7 +106,7 @@ class SpotChecker:
     def __init__(
         self, p2p: P2P, *, run_id: str, fraction: float, tolerance: float, rng: random.Random,
         timeout: float, max_payload_bytes: int, reputation: Reputation | None = None,
-        on_event: Callable[..., None] = lambda event, **fields: None,
+        on_event: Callable[..., None] = lambda event, **fields: None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= fraction <= 1.0 or not 0.0 <= tolerance < math.inf:
             raise ValueError("need 0 <= fraction <= 1 and a finite tolerance >= 0")
@@ -107,6 +114,8 @@ class SpotChecker:
         self.timeout, self.max_payload_bytes = timeout, max_payload_bytes
         self.reputation, self.on_event = reputation, on_event
         self.num_checks: Counter[str] = Counter()
+        self.clock = clock
+        self._suspected_at: dict[str, float] = {}  # peer -> when an unarbitrated mismatch last struck it
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -171,21 +180,32 @@ class SpotChecker:
         if distance <= tolerance:
             self._report(mb_id, "match", peers, distance=distance, tolerance=tolerance, strict=strict)
             return
-        blamed = list(peers)  # suspicion of both, unless a third replica tells them apart
+        blamed, arbitrated = list(peers), False  # suspicion of both, unless a third replica tells them apart
         third = await self._recompute(request, tensors, others, shape)
         if third is not None:
             peers.append(third.peer_id)
             verdicts = {a.peer_id: self._agrees(a, third) for a in (first, second)}
             disagreeing = [peer_id for peer_id, agrees in verdicts.items() if agrees is False]
             if len(disagreeing) == 1 and True in verdicts.values():  # it sides with one: the other is the odd one
-                blamed = disagreeing
+                blamed, arbitrated = disagreeing, True
         reason = (f"spot check of microbatch {mb_id}: outputs {distance:.3g} apart (tolerance {tolerance:.3g}, "
                   f"{'same' if strict else 'different'} weights), computed by {', '.join(p[-6:] for p in peers)}")
-        logger.warning(f"{reason}; suspecting {', '.join(p[-6:] for p in blamed)}")
+        logger.warning(f"{reason}; {'blaming' if arbitrated else 'suspecting'} {', '.join(p[-6:] for p in blamed)}")
+        struck = blamed if arbitrated else self._suspect(blamed)
         if self.reputation is not None:
-            for peer_id in blamed:
+            for peer_id in struck:
                 self.reputation.strike(peer_id, reason)
-        self._report(mb_id, "mismatch", peers, distance=distance, tolerance=tolerance, strict=strict, blamed=blamed)
+        self._report(mb_id, "mismatch", peers, distance=distance, tolerance=tolerance, strict=strict, blamed=blamed,
+                     arbitrated=arbitrated, struck=struck)
+
+    def _suspect(self, peer_ids: list[str]) -> list[str]:
+        """Those of ``peer_ids`` an unarbitrated mismatch strikes now (see ``SUSPICION_PERIOD``)."""
+        now = self.clock()
+        if len(self._suspected_at) > 4096:
+            self._suspected_at = {p: t for p, t in self._suspected_at.items() if now - t < SUSPICION_PERIOD}
+        struck = [p for p in peer_ids if now - self._suspected_at.get(p, -math.inf) >= SUSPICION_PERIOD]
+        self._suspected_at.update((p, now) for p in struck)
+        return struck
 
     def _compare(self, a: Answer, b: Answer) -> tuple[float, float | None, bool]:
         """(distance, tolerance, whether both used the same weights); the tolerance is None when the

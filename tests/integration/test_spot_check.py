@@ -82,10 +82,14 @@ def test_a_mismatch_between_two_replicas_strikes_both_and_bans_neither(dht_nodes
         checks = [e for e in events if e["event"] == "spot_check"]
         assert [e["outcome"] for e in checks] == ["mismatch"] * 3, checks
         for check in checks:  # same seed weights on both: compared strictly, and no third replica to arbitrate
-            assert check["strict"] and sorted(check["blamed"]) == sorted([honest_id, faulty_id])
+            assert check["strict"] and not check["arbitrated"]
+            assert sorted(check["blamed"]) == sorted([honest_id, faulty_id])
             assert check["distance"] == pytest.approx(2.0, rel=1e-3)
-        assert reputation.num_strikes_of(honest_id) == reputation.num_strikes_of(faulty_id) == 3
-        assert reputation.num_bans == 0  # suspicion, not a ban
+        # suspicion strikes both, once per SUSPICION_PERIOD: suspicion alone never adds up to a ban
+        assert sorted(checks[0]["struck"]) == sorted([honest_id, faulty_id])
+        assert checks[1]["struck"] == checks[2]["struck"] == []
+        assert reputation.num_strikes_of(honest_id) == reputation.num_strikes_of(faulty_id) == 1
+        assert reputation.num_bans == 0
         assert checker.num_checks == {"mismatch": 3}
         assert_counted_once([honest, faulty], 3)
 
@@ -117,7 +121,8 @@ def test_a_third_replica_arbitrates_and_the_wrong_one_is_banned(dht_nodes, monke
         await checker.wait_checks_done()
         checks = [e for e in events if e["event"] == "spot_check"]
         mismatches = [e for e in checks if e["outcome"] == "mismatch"]
-        assert len(mismatches) == 3 and all(e["blamed"] == [faulty_id] for e in mismatches), mismatches
+        assert len(mismatches) == 3, mismatches
+        assert all(e["blamed"] == e["struck"] == [faulty_id] and e["arbitrated"] for e in mismatches), mismatches
         assert all(faulty_id in e["peers"] for e in mismatches)
         assert all(e["outcome"] == "match" and faulty_id not in e["peers"] and e["strict"] for e in checks[banned_after:])
         assert all(e["distance"] < 1e-3 for e in checks if e["outcome"] == "match")
