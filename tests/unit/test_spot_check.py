@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
 import sys
 import types
@@ -18,7 +19,14 @@ from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.faults import ALLOW_ENV, FAULTS_ENV, inject_corrupt_shards, inject_wrong_outputs, read_faults
 from peer.prometheus_metrics import PeerCollector, make_registry
-from swarm.spot_check import FINGERPRINT_DIMS, STRICT_TOLERANCE, fingerprint_distance, output_fingerprint
+from swarm.spot_check import (
+    FINGERPRINT_DIMS,
+    STRICT_TOLERANCE,
+    SUSPICION_PERIOD,
+    SpotChecker,
+    fingerprint_distance,
+    output_fingerprint,
+)
 from tests.unit.test_prometheus_metrics import samples, training_peer
 from tests.unit.test_stage import batch, make_spec, open_stages, run
 
@@ -181,3 +189,16 @@ def test_spot_checks_strikes_and_bans_are_in_the_metrics():
     assert got[("murmuration_spot_checks_total", (("outcome", "mismatch"),))] == 2.0
     assert got[("murmuration_spot_checks_total", (("outcome", "skipped"),))] == 0.0
     assert got[("murmuration_bans_total", ())] == 1.0 and got[("murmuration_strikes_total", ())] == 2.0
+
+
+def test_suspicion_strikes_a_peer_at_most_once_per_period():
+    now = [100.0]
+    checker = SpotChecker(None, run_id="r", fraction=0.5, tolerance=0.0, rng=random.Random(0),
+                          timeout=1.0, max_payload_bytes=1, clock=lambda: now[0])
+    assert checker._suspect(["a", "b"]) == ["a", "b"]
+    now[0] += SUSPICION_PERIOD / 2
+    assert checker._suspect(["a", "c"]) == ["c"]
+    now[0] += SUSPICION_PERIOD / 2
+    assert checker._suspect(["a", "b", "c"]) == ["a", "b"]
+    with pytest.raises(ValueError):
+        SpotChecker(None, run_id="r", fraction=1.5, tolerance=0.0, rng=None, timeout=1.0, max_payload_bytes=1)
