@@ -37,16 +37,22 @@ class Reputation:
         self.num_bans = 0
         self.num_strikes = 0
 
-    def strike(self, peer_id: str, reason: str) -> bool:
-        """Count one misbehaviour of ``peer_id``; returns True if it is banned now."""
+    def strike(self, peer_id: str, reason: str, *, weight: int = 1) -> bool:
+        """Count one misbehaviour of ``peer_id``; returns True if it is banned now.
+
+        ``weight`` > 1 counts it as that many strikes at once: for proof of lying (a state piece that
+        does not match its digest), as opposed to a failure an honest peer can have (a timeout).
+        """
+        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
+            raise ValueError(f"a strike weighs a positive integer, got {weight!r}")
         now = self.clock()
         if self.is_banned(peer_id):
             return True
-        self.num_strikes += 1
+        self.num_strikes += weight
         if len(self._strikes) > MAX_TRACKED_PEERS:
             self.forget_stale()
         strikes = self._strikes.setdefault(peer_id, collections.deque())
-        strikes.append(now)
+        strikes.extend([now] * weight)
         while strikes and strikes[0] < now - self.window:
             strikes.popleft()
         if len(strikes) < self.max_strikes:
@@ -67,6 +73,13 @@ class Reputation:
             del self._banned_until[peer_id]
             return False
         return True
+
+    def num_strikes_of(self, peer_id: str) -> int:
+        """Strikes ``peer_id`` has within the window now (0 once banned: a ban clears them)."""
+        strikes = self._strikes.get(peer_id)
+        if not strikes:
+            return 0
+        return sum(1 for at in strikes if at >= self.clock() - self.window)
 
     def banned(self) -> list[str]:
         return [peer_id for peer_id in list(self._banned_until) if self.is_banned(peer_id)]

@@ -62,6 +62,8 @@ class PeerConfig:
     recovery: str = field(default="replay", metadata=_help("what a broken microbatch route costs: replay (re-send it at the failed hop, replay it from stage 0 with the same id and path, nothing counted twice) or restart (the SWARM baseline: start it over from stage 0, no de-duplication; for benchmarks)"))
     ban_strikes: int = field(default=8, metadata=_help("misbehaviours (malformed requests, failed calls) within 30 s that get a peer banned (0: never ban)"))
     ban_seconds: float = field(default=120.0, metadata=_help("how long a ban lasts, seconds"))
+    spot_check_fraction: float = field(default=0.01, metadata=_help("fraction of the microbatches this peer sends to the next stage that another replica there recomputes (forward only, nothing counted twice) and compares; a mismatch is a strike against the replicas (0: no spot checks)"))
+    spot_check_tolerance: float = field(default=0.0, metadata=_help("relative distance allowed between two replicas' outputs computed on different weights (0: compare only outputs computed on the same weights; see docs/spot-checks.md before raising it)"))
     max_upload_mbps: float = field(default=0.0, metadata=_help("cap on what this peer uploads (activations, gradients, state shards), Mbit/s (0: no cap); hivemind's DHT and averaging traffic is not counted"))
     checkpoint_dir: str | None = field(default=None, metadata=_help("write this peer's stage to <dir>/<run>-stage<k>.safetensors every --checkpoint-period seconds and on leave; the first peer of a stage with no live holder and no backup in the swarm resumes from it"))
     checkpoint_period: float = field(default=300.0, metadata=_help("seconds between checkpoints when --checkpoint-dir is given"))
@@ -98,6 +100,10 @@ class PeerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.ban_strikes < 0 or not (math.isfinite(self.ban_seconds) and self.ban_seconds > 0):
             raise ValueError("--ban-strikes must be >= 0 and --ban-seconds a positive number")
+        if not 0.0 <= self.spot_check_fraction <= 1.0:  # NaN fails too
+            raise ValueError(f"--spot-check-fraction must be between 0 and 1, got {self.spot_check_fraction}")
+        if not (math.isfinite(self.spot_check_tolerance) and self.spot_check_tolerance >= 0):
+            raise ValueError("--spot-check-tolerance must be a number >= 0")
         if self.recovery not in RECOVERY_MODES:
             raise ValueError(f"--recovery must be one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -18,6 +18,7 @@ import hivemind
 from hivemind.p2p import P2P
 
 from dht.records import PeerRecord, RunSpec
+from dht.reputation import Reputation
 from dht.registry import fetch_run_ids, fetch_run_specs
 from peer.config import PeerConfig
 from peer.errors import UserError
@@ -111,14 +112,15 @@ def piece_bytes_of(state_bytes: int) -> int:
 
 
 async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *, config: PeerConfig,
-                           min_agreeing_donors: int = 2) -> PullResult:
+                           min_agreeing_donors: int = 2, reputation: Reputation | None = None) -> PullResult:
     """Pull the stage's state from all its current holders at once and load it (DESIGN §1 step 5).
 
     Shards are spread over the holders by seed 003's greedy LPT rule, verified against a manifest
     ``min_agreeing_donors`` of the holders agree on (fewer if fewer answer), and re-planned onto
     the others if a holder fails; with ``--state-cache`` an interrupted join resumes from the
     shards it already has. The keepers of a stage's backups may hold different versions: pulled
-    from with ``min_agreeing_donors=1``, the newest wins.
+    from with ``min_agreeing_donors=1``, the newest wins. A holder that serves a piece that does not
+    match its digest is struck in ``reputation`` (banned holders are not asked).
 
     Raises:
         TransferError: no holder could serve the state.
@@ -127,7 +129,7 @@ async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *,
                               min_agreeing_donors=min(min_agreeing_donors, len(holders)))
     with _state_dir(config, stage) as store_dir:
         result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.run_id,
-                                  stage=stage.index, store_dir=store_dir, config=transfer)
+                                  stage=stage.index, store_dir=store_dir, config=transfer, reputation=reputation)
     await stage.run(stage.load_state_tensors, result.state)
     return result
 

@@ -42,6 +42,7 @@ from peer.checkpoint import (
 )
 from peer.config import PeerConfig
 from peer.errors import UserError
+from peer.faults import inject_corrupt_shards, inject_wrong_outputs, read_faults
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state, stage_state_bytes
 from peer.metrics import MetricsLog
 from peer.profiler import (
@@ -70,6 +71,7 @@ from swarm.failure_detector import FailureDetector
 from swarm.membership import MembershipNotices, membership_handler
 from swarm.model import stage_flops_per_sample
 from swarm.router import Router
+from swarm.spot_check import SpotChecker
 from swarm.stage import Stage
 from swarm.stage_server import StageServer
 from swarm.task_pool import MicrobatchLedger
@@ -109,6 +111,7 @@ class Peer:
             max_strikes=config.ban_strikes, ban_seconds=config.ban_seconds,
             on_ban=lambda peer_id, reason: self.metrics.write("banned", peer_id=peer_id, reason=reason))
         self.keeper: BackupKeeper | None = None  # the backup of another stage it may keep, across moves
+        self.faults: frozenset[str] = frozenset()  # test-only misbehaviour (peer/faults.py)
         self.peer_id = ""
         self.maddrs: tuple[str, ...] = ()
         self._corpus = b""
@@ -143,6 +146,9 @@ class Peer:
 
     async def _join(self) -> None:
         config = self.config
+        self.faults = read_faults()
+        if self.faults:
+            logger.warning(f"test-only fault injection: this peer will misbehave ({', '.join(sorted(self.faults))})")
         UPLOAD_LIMIT.configure(config.max_upload_mbps * 1e6 / 8)
         try:
             node_config = DHTNodeConfig(initial_peers=config.bootstrap, host_maddrs=config.host_maddrs,
@@ -241,7 +247,8 @@ class Peer:
         deadline = time.monotonic() + DISAGREEMENT_PATIENCE
         while True:
             try:
-                result = await pull_stage_state(self.p2p, self.stage, holders, config=self.config)
+                result = await pull_stage_state(self.p2p, self.stage, holders, config=self.config,
+                                                reputation=self.reputation)
                 break
             except DisagreementError:
                 # holders that serve different versions (one just alone, one between averaging rounds)
@@ -253,13 +260,15 @@ class Peer:
                 await self.view.refresh()
                 holders = [r for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id] or holders
         self.sync_progress.finish()
-        self._downloaded(result)
+        await self._downloaded(result)
         return "holders"
 
-    def _downloaded(self, result: PullResult) -> None:
+    async def _downloaded(self, result: PullResult) -> None:
+        digest = await self.stage.run(self.stage.params_digest)  # what was loaded, for tests and reports
         self.metrics.write("state_download", version=result.version, seconds=result.report.seconds,
                            bytes_by_donor=result.report.bytes_by_donor, failed_donors=result.report.failed_donors,
-                           donor=max(result.report.bytes_by_donor, key=result.report.bytes_by_donor.get))
+                           donor=max(result.report.bytes_by_donor, key=result.report.bytes_by_donor.get),
+                           digest=digest)
 
     async def _restore_backup(self) -> str | None:
         """A stage nobody holds comes back from its backup: the one this peer keeps ("local-backup"),
@@ -283,13 +292,14 @@ class Peer:
         keepers = [r for r in keepers if r.backup_version == newest]  # older copies would outvote it
         self.sync_progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
         try:
-            result = await pull_stage_state(self.p2p, stage, keepers, config=self.config, min_agreeing_donors=1)
+            result = await pull_stage_state(self.p2p, stage, keepers, config=self.config, min_agreeing_donors=1,
+                                            reputation=self.reputation)
         except (TransferError, ValueError) as e:
             logger.warning(f"could not pull the backup of stage {stage.index} from its keepers: {e}")
             return None
         finally:
             self.sync_progress.finish()
-        self._downloaded(result)
+        await self._downloaded(result)
         self._backup_loaded("backup-donor", result.version, await asyncio.to_thread(state_digest, result.state), started)
         return "backup-donor"
 
@@ -354,12 +364,18 @@ class Peer:
         max_payload = int(config.max_payload_mb * MIB)
         router = None
         replay = config.recovery == "replay"
+        if "wrong_outputs" in self.faults:
+            inject_wrong_outputs(stage)
         if not stage.is_last:
+            checker = SpotChecker(self.p2p, run_id=spec.run_id, fraction=config.spot_check_fraction,
+                                  tolerance=config.spot_check_tolerance, rng=random.Random(f"spot:{spec.seed}:{self.peer_id}"),
+                                  timeout=config.request_timeout, max_payload_bytes=max_payload,
+                                  reputation=self.reputation, on_event=self._on_stage_event)
             router = Router(self.p2p, self.view, run_id=spec.run_id, next_stage=stage.index + 1,
                             next_stage_flops=stage_flops_per_sample(spec, stage.index + 1),
                             request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                             rng=random.Random(f"{spec.seed}:{self.peer_id}"), sticky=replay,
-                            max_attempts=3 if replay else 1, reputation=self.reputation)
+                            max_attempts=3 if replay else 1, reputation=self.reputation, spot_checker=checker)
         self.router = router
         self.server = StageServer(self.p2p, stage, peer_id=self.peer_id, router=router,
                                   request_timeout=config.request_timeout, max_payload_bytes=max_payload,
@@ -369,6 +385,8 @@ class Peer:
         self.replication = ReplicationServer(self.p2p, run_id=spec.run_id, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout,
                                              backup_fn=self.keeper.backup_fn)
+        if "corrupt_shards" in self.faults:
+            inject_corrupt_shards(self.replication)
         await self.replication.start()
         self.notices = MembershipNotices(self.p2p, self.view, run_id=spec.run_id, peer_id=self.peer_id,
                                          on_notice=self._on_notice, on_rumour=self._on_rumour,
@@ -535,7 +553,7 @@ class Peer:
                 await self._write_checkpoint()
             except Exception as e:
                 logger.warning(f"could not write the last checkpoint: {e!r}")
-        for service in (self.replication, self.notices):
+        for service in (self.replication, self.notices, self.router and self.router.spot_checker):
             if service is not None:
                 await service.shutdown()
         if self.server is not None:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,14 +81,16 @@ class LocalSwarm:
         self.maddrs = maddrs_file.read_text().split()
         return self.maddrs
 
-    def start_peer(self, *args: str, bootstrap: Sequence[str] | None = None, run_id: str | None = None) -> LocalProcess:
-        """Start run_peer.py joined through the bootstrap (or the given multiaddrs)."""
+    def start_peer(self, *args: str, bootstrap: Sequence[str] | None = None, run_id: str | None = None,
+                   env: Mapping[str, str] | None = None) -> LocalProcess:
+        """Start run_peer.py joined through the bootstrap (or the given multiaddrs); ``env`` adds to
+        this process's environment (e.g. the test-only fault injection of peer/faults.py)."""
         index = len(self.peers)
         metrics = self.workdir / f"peer{index}.jsonl"
         metrics.unlink(missing_ok=True)  # the peer appends; a previous run's events must not count
         peer = self._spawn(f"peer{index}", "run_peer.py", "--bootstrap", *(bootstrap or self.maddrs),
                            "--run-id", run_id or self.run_id, "--host-maddrs", LOOPBACK,
-                           "--metrics-file", str(metrics), *args)
+                           "--metrics-file", str(metrics), *args, env=env)
         peer.metrics_path = metrics
         self.peers.append(peer)
         return peer
@@ -145,10 +147,10 @@ class LocalSwarm:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _spawn(self, name: str, script: str, *args: str) -> LocalProcess:
+    def _spawn(self, name: str, script: str, *args: str, env: Mapping[str, str] | None = None) -> LocalProcess:
         log_path = self.workdir / f"{name}.log"
         log_file = open(log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen([self.python, str(REPO_ROOT / script), *args], stdout=log_file,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
                                    start_new_session=True)

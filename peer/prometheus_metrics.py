@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from dht.records import PEER_STATES
 from dht.rpc import REQUEST_OUTCOMES
 from peer.status import local_status
+from swarm.spot_check import OUTCOMES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -73,6 +74,19 @@ class PeerCollector(Collector):
         reputation = getattr(self.peer, "reputation", None)
         yield _counter("murmuration_bans", "peers this peer has banned for misbehaviour (dht/reputation.py)",
                        reputation.num_bans if reputation is not None else 0)
+        yield _counter("murmuration_strikes", "misbehaviours of other peers this peer has counted (dht/reputation.py)",
+                       reputation.num_strikes if reputation is not None else 0)
+        yield self._spot_checks()
+
+    def _spot_checks(self) -> CounterMetricFamily:
+        router = getattr(self.peer, "router", None) or getattr(getattr(self.peer, "server", None), "router", None)
+        checker = getattr(router, "spot_checker", None)
+        family = CounterMetricFamily("murmuration_spot_checks", "spot checks of the next stage's answers, by outcome: "
+                                     "match, mismatch (a strike against the replicas), skipped (no comparable "
+                                     "second answer) (swarm/spot_check.py)", labels=["outcome"])
+        for outcome in OUTCOMES:
+            family.add_metric([outcome], float(checker.num_checks[outcome] if checker is not None else 0))
+        return family
 
     def _queues(self) -> Iterator[Metric]:
         stage, server, router = (getattr(self.peer, name, None) for name in ("stage", "server", "router"))

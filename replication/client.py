@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hivemind.p2p import P2P
 
+from dht.reputation import Reputation
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
 from dht.wire import ProtocolError
 from replication.manifest import Manifest, ManifestError, piece_size_for
@@ -34,6 +35,7 @@ class Session:
     run_id: str
     stage: int
     config: TransferConfig
+    reputation: Reputation | None = None  # strikes donors caught lying (replication/fetcher.py)
 
 
 async def call_probe(p2p: P2P, peer_id: str, *, run_id: str, nbytes: int, timeout: float) -> float:

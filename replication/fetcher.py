@@ -13,7 +13,8 @@ arrival. Alg. 2 assigns the runs to donors; this module carries the plan out and
   in flight.
 * **Faults** (seed 003 §III-B): a donor that fails, stalls past its deadline, refuses or sends a
   piece that does not match is dropped; its queued and in-flight runs go through Alg. 2 over the
-  survivors; its other requests are cancelled.
+  survivors; its other requests are cancelled. A piece that does not match is also struck
+  (``CORRUPT_PIECE_STRIKES``) in the session's reputation, so repeated corruption bans the donor.
 * **End game** (``TransferConfig.endgame``): a donor with nothing left to fetch takes a copy of a
   run still in flight elsewhere when it would finish it sooner; the first verified copy wins and
   the other request is cancelled. This removes the tail left by a run that is large for its donor.
@@ -37,12 +38,21 @@ from replication.manifest import ManifestError, is_shard_valid
 from replication.report import PullReport, TransferError, drop_donor
 from replication.shard_store import ShardStore
 
-__all__ = ["PieceFetcher", "Run", "split_runs"]
+__all__ = ["CORRUPT_PIECE_STRIKES", "CorruptPieceError", "PieceFetcher", "Run", "split_runs"]
 
 logger = logging.getLogger(__name__)
 
 _REPLAN_DRIFT = 0.2  # re-plan when a donor's measured rate moved this much since the last plan
 _IDLE_RECHECK_SECONDS = 0.05  # an idle worker re-checks the end game this often (estimates age)
+# A piece that does not match the digest its donor agreed to is proof that the donor lies (or that
+# its memory or disk is broken): it weighs this many strikes (dht/reputation.py), once per pull, so
+# with the default 8 strikes two pulls it corrupts within the window ban it, while a single bit flip
+# on an honest donor does not.
+CORRUPT_PIECE_STRIKES = 4
+
+
+class CorruptPieceError(ManifestError):
+    """A donor sent a piece whose bytes do not match the manifest's digest."""
 
 
 @dataclass(frozen=True)
@@ -270,7 +280,11 @@ class PieceFetcher:
             data = request.result()
             await asyncio.to_thread(self._store, peer, run, data)
         except DONOR_FAULTS as e:
-            self._fail(peer, f"pieces {run.first}+{run.count}: {type(e).__name__}: {e}")
+            reason = f"pieces {run.first}+{run.count}: {type(e).__name__}: {e}"
+            if isinstance(e, CorruptPieceError) and self.session.reputation is not None and not donor.failed:
+                # once per pull: its other runs in flight are the same offence, not more evidence
+                self.session.reputation.strike(peer, f"served corrupted state: {reason}", weight=CORRUPT_PIECE_STRIKES)
+            self._fail(peer, reason)
             return
         finally:
             donor.in_flight.pop(run_id, None)
@@ -305,7 +319,7 @@ class PieceFetcher:
             start, end = self.manifest.shard_range(piece)
             chunk = data[start - base : end - base]
             if not is_shard_valid(self.manifest, piece, chunk):
-                raise ManifestError(f"piece {piece} does not match the manifest")
+                raise CorruptPieceError(f"piece {piece} does not match the manifest")
             chunks.append((piece, start, end, chunk))
         for piece, start, end, chunk in chunks:
             self.store.put_shard(piece, chunk, verified=True)

@@ -34,6 +34,7 @@ import msgpack
 import torch
 from hivemind.p2p import P2P
 
+from dht.reputation import Reputation
 from replication.assignment import NeighbourLink, SearchConfig, plan_replication
 from replication.client import DONOR_FAULTS, Session, call_manifest, call_probe
 from replication.fetcher import PieceFetcher, split_runs
@@ -187,9 +188,13 @@ async def agree_on_manifest(
 
 
 async def pull_state(
-    p2p: P2P, donors: Sequence[str], *, run_id: str, stage: int, store_dir: Path, config: TransferConfig
+    p2p: P2P, donors: Sequence[str], *, run_id: str, stage: int, store_dir: Path, config: TransferConfig,
+    reputation: Reputation | None = None,
 ) -> PullResult:
     """Pulls stage ``stage``'s state from ``donors`` (seed 003 §III), resuming from ``store_dir``.
+
+    With ``reputation``, banned donors are not asked, and a donor that sends a piece that does not
+    match the agreed manifest is struck ``CORRUPT_PIECE_STRIKES`` times (``replication/fetcher.py``).
 
     Raises:
         TransferError: the state could not be completed; its ``report`` says which donor failed how.
@@ -199,7 +204,13 @@ async def pull_state(
     donors = sorted(set(donors))
     if not donors:
         raise ValueError("pull_state needs at least one donor")
-    session = Session(p2p, run_id, stage, config)
+    if reputation is not None:
+        for peer_id in [d for d in donors if reputation.is_banned(d)]:
+            drop_donor(report, peer_id, "banned here for misbehaviour")
+            donors.remove(peer_id)
+        if not donors:
+            raise TransferError("every donor is banned here", report)
+    session = Session(p2p, run_id, stage, config, reputation)
     links, (agreeing, manifest) = await asyncio.gather(
         probe_donors(session, donors, report), agree_on_manifest(session, donors, report))
     usable = {peer_id: links[peer_id] for peer_id in agreeing if peer_id in links}

@@ -123,8 +123,7 @@ class StageAverager:
         with self.averager.get_tensors() as tensors, torch.no_grad():
             for tensor, live in zip(tensors, self.stage.averaged_tensors(), strict=True):
                 live.copy_(tensor.to(live.device))
-        self.stage.publish_averaged(version=int(at))
-        return self.stage.params_digest()
+        return self.stage.publish_averaged(version=int(at))
 
 
 async def _sleep_until(deadline: float, stop: asyncio.Event) -> None:

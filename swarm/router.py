@@ -19,6 +19,9 @@ signal); each hop sends to the planned peer and, if it is gone, to the first liv
 When the failure detector or a leave notice says a peer is gone, :meth:`Router.peer_down` stops
 sending it new work; a call to a peer that hangs fails at an adaptive deadline
 (:meth:`Router.call_timeout`: a multiple of the measured round trips).
+
+With a :class:`~swarm.spot_check.SpotChecker`, every request asks for a fingerprint of the outputs,
+and a fraction of the answers is recomputed by another replica of the next stage and compared.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from dht.rpc import (
     call_peer,
     forward_handler,
 )
+from swarm.spot_check import SpotChecker
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -96,8 +100,10 @@ class Router:
         failure_cooldown: float = 10.0,
         sticky: bool = True,
         reputation: Reputation | None = None,
+        spot_checker: SpotChecker | None = None,
     ) -> None:
         self.p2p, self.view, self.run_id = p2p, view, run_id
+        self.spot_checker = spot_checker
         self.next_stage, self.next_stage_flops = next_stage, next_stage_flops
         self.request_timeout, self.max_payload_bytes = request_timeout, max_payload_bytes
         self.rng, self.max_attempts, self.failure_cooldown = rng, max_attempts, failure_cooldown
@@ -147,6 +153,20 @@ class Router:
         order = substitute_order(mb_id, live)
         return order[0] if order else None
 
+    def _answered(self, target: str, header: dict[str, Any], tensors: Sequence[torch.Tensor],
+                  answer: tuple[dict[str, Any], list[torch.Tensor]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The answer without its fingerprint, after drawing whether to spot-check it."""
+        reply, reply_tensors = answer
+        checker = self.spot_checker
+        if checker is None or not checker.is_enabled:
+            return answer
+        fingerprint = reply_tensors[1] if len(reply_tensors) == 2 else None
+        if checker.should_check():
+            now = time.monotonic()
+            others = [r.peer_id for r in self.view.members(self.next_stage) if r.peer_id != target and self._available(r.peer_id, now)]
+            checker.start_check(header, tensors, peer_id=target, reply=reply, fingerprint=fingerprint, candidates=others)
+        return reply, reply_tensors[:1]
+
     def peer_down(self, peer_id: str) -> None:
         """``peer_id`` is gone (a leave notice or the failure detector said so): send it nothing new.
 
@@ -173,6 +193,9 @@ class Router:
             NoPeerAvailableError: every attempt failed or nobody serves the next stage.
         """
         mb_id = str(header.get("mb_id"))
+        checker = self.spot_checker
+        if checker is not None and checker.is_enabled:
+            header = {**header, "fp": True}  # on every request, so a replica cannot tell which are checked
         path = header.get("path")
         planned = path[self.next_stage - 1] if isinstance(path, list) and len(path) >= self.next_stage else ""
         tried: set[str] = set()
@@ -190,7 +213,7 @@ class Router:
                     timeout=self.call_timeout(), max_payload_bytes=self.max_payload_bytes,
                 )
                 self._durations.append(time.monotonic() - started)
-                return answer
+                return self._answered(target, header, tensors, answer)
             except (PeerUnavailableError, RemoteError) as e:
                 self.num_failures += 1
                 if getattr(e, "code", "") != "unrouted":  # it answered: only the stage after it failed

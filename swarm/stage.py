@@ -38,6 +38,7 @@ from torch.func import functional_call
 from dht.records import RunSpec
 from dht.rpc import Declined
 from swarm.model import StageModel, next_token_loss
+from swarm.spot_check import output_fingerprint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,10 +85,17 @@ class Stage:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
         self._init_optimizer_state()
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # state frozen at the last averaging round
+        self.snapshot_tag = ""  # the weights' tag of that snapshot (see weights_tag)
         self.counters = StageCounters()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
         self._weights: dict[str, torch.Tensor] = {}
+        # Names the weights forwards use, the same on every replica that holds bit-identical ones (the
+        # seed's initialisation, an averaging round with no local step since); "" when they are this
+        # replica's own. Spot checks (swarm/spot_check.py) compare strictly only under equal tags.
+        self.weights_tag = ""
         self._publish_weights()
+        self.weights_tag = f"seed{spec.seed}"
+        self.output_fault: Callable[[torch.Tensor], torch.Tensor] | None = None  # test-only: peer/faults.py
         self._grad_buffer: dict[str, torch.Tensor] = {}
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._in_flight: set[str] = set()  # ids between forward() and backward()/drop()
@@ -137,6 +145,25 @@ class Stage:
             self._graphs.pop(mb_id, None)
             raise
 
+    async def forward_fingerprinted(self, mb_id: str, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """:meth:`forward`, plus the fingerprint of its outputs and the tag of the weights it used."""
+        if mb_id in self._in_flight:
+            raise ValueError(f"microbatch {mb_id} is already in flight here")
+        self._in_flight.add(mb_id)
+        try:
+            return await self.run(self._forward_fingerprinted_sync, mb_id, inputs)
+        except BaseException:
+            self._in_flight.discard(mb_id)
+            self._graphs.pop(mb_id, None)
+            raise
+
+    async def check_forward(self, inputs: torch.Tensor, *, weights_tag: str = "") -> tuple[torch.Tensor, str]:
+        """A spot check's recompute: the forward alone, no graph kept, nothing counted; the fingerprint
+        of its outputs (the logits on the last stage) and the tag of the weights it used. Those are the
+        current weights, or the averaging snapshot's if ``weights_tag`` names that snapshot (the
+        replica being checked computed on it and this one has stepped since)."""
+        return await self.run(self._check_forward_sync, inputs, weights_tag)
+
     async def backward(self, mb_id: str, grad_outputs: torch.Tensor, *, accumulate: bool = True) -> torch.Tensor | None:
         """Backward of a held graph; returns the gradient w.r.t. the inputs (None on stage 0).
         ``accumulate=False`` (a re-delivery of a microbatch already counted here) computes the input
@@ -158,7 +185,14 @@ class Stage:
     ) -> tuple[float, torch.Tensor | None]:
         """Last stage: forward, loss, backward in one go; returns the loss and the input gradient
         (``accumulate`` as in :meth:`backward`)."""
-        return await self.run(self._forward_loss_backward_sync, inputs, targets, accumulate)
+        loss, grad, _, _ = await self.run(self._forward_loss_backward_sync, inputs, targets, accumulate)
+        return loss, grad
+
+    async def forward_loss_backward_fingerprinted(
+        self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulate: bool = True,
+    ) -> tuple[float, torch.Tensor | None, torch.Tensor, str]:
+        """:meth:`forward_loss_backward`, plus the fingerprint of the logits and the weights' tag."""
+        return await self.run(self._forward_loss_backward_sync, inputs, targets, accumulate, True)
 
     def record_microbatch(self, batch_size: int, loss: float | None = None) -> None:
         """Count a finished microbatch; start an optimizer step once the batch is complete."""
@@ -215,6 +249,7 @@ class Stage:
             }
         self.counters.num_steps = int(steps)
         self._publish_weights()
+        self.weights_tag = ""  # whether others hold the same weights now is not known here
 
     def _parse_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         params = dict(self.model.named_parameters())
@@ -242,11 +277,16 @@ class Stage:
         moments = [self.optimizer.state[p][key] for key in OPTIMIZER_STATE_KEYS for p in params]
         return params + moments
 
-    def publish_averaged(self, version: int) -> None:
+    def publish_averaged(self, version: int) -> str:
         """After the master state was overwritten by an averaging round (compute thread): forwards move
-        to the new weights, and the state is frozen as the snapshot replicas serve to joiners."""
+        to the new weights, and the state is frozen as the snapshot replicas serve to joiners.
+        Returns the parameters' digest, which is part of the weights' tag: should a round split into
+        two groups at the same time, their members do not take each other's weights for their own."""
         self._publish_weights()
+        digest = self.params_digest()
+        self.weights_tag = self.snapshot_tag = f"avg{version}:{digest}"
         self.keep_snapshot(version)
+        return digest
 
     def keep_snapshot(self, version: int) -> None:
         """Freeze the current state as the one replicas serve to joiners (call on the compute thread)."""
@@ -290,14 +330,32 @@ class Stage:
         """A new weight version: detached copies of the master that forwards from now on use."""
         self._weights = {n: p.detach().clone().requires_grad_(True) for n, p in self.model.named_parameters()}
 
+    def _outputs(self, weights: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        outputs = functional_call(self.model, weights, (inputs,))
+        return outputs if self.output_fault is None else self.output_fault(outputs)
+
     def _forward_sync(self, mb_id: str, inputs: torch.Tensor) -> torch.Tensor:
         inputs = inputs.to(self.device)
         if inputs.is_floating_point():
             inputs.requires_grad_(True)
         weights = self._weights
-        outputs = functional_call(self.model, weights, (inputs,))
+        outputs = self._outputs(weights, inputs)
         self._graphs[mb_id] = (inputs, outputs, weights)
         return outputs.detach().cpu()
+
+    def _forward_fingerprinted_sync(self, mb_id: str, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+        tag = self.weights_tag  # read with the weights, on the compute thread where steps change both
+        outputs = self._forward_sync(mb_id, inputs)
+        return outputs, output_fingerprint(outputs), tag
+
+    def _check_forward_sync(self, inputs: torch.Tensor, wanted_tag: str = "") -> tuple[torch.Tensor, str]:
+        tag, weights = self.weights_tag, self._weights
+        if wanted_tag and wanted_tag != tag and self.snapshot is not None and wanted_tag == self.snapshot_tag:
+            state = self.snapshot[1]
+            tag, weights = wanted_tag, {name: state[f"model.{name}"].to(self.device) for name in weights}
+        with torch.no_grad():
+            outputs = self._outputs(weights, inputs.to(self.device))
+        return output_fingerprint(outputs), tag
 
     def _backward_sync(self, mb_id: str, grad_outputs: torch.Tensor, accumulate: bool = True) -> torch.Tensor | None:
         inputs, outputs, weights = self._graphs.pop(mb_id)
@@ -309,18 +367,21 @@ class Stage:
         return grad_inputs
 
     def _forward_loss_backward_sync(
-        self, inputs: torch.Tensor, targets: torch.Tensor, accumulate: bool = True,
-    ) -> tuple[float, torch.Tensor | None]:
+        self, inputs: torch.Tensor, targets: torch.Tensor, accumulate: bool = True, fingerprint: bool = False,
+    ) -> tuple[float, torch.Tensor | None, torch.Tensor | None, str]:
+        """(loss, input gradient, the logits' fingerprint if asked, the weights' tag)."""
         inputs = inputs.to(self.device)
         if inputs.is_floating_point():  # token ids of a single-stage run need no gradient
             inputs.requires_grad_(True)
-        weights = self._weights
-        loss = next_token_loss(functional_call(self.model, weights, (inputs,)), targets.to(self.device))
+        tag, weights = self.weights_tag, self._weights
+        logits = self._outputs(weights, inputs)
+        prints = output_fingerprint(logits) if fingerprint else None
+        loss = next_token_loss(logits, targets.to(self.device))
         if not accumulate:
-            return float(loss.detach()), _input_gradient(loss, None, inputs)
+            return float(loss.detach()), _input_gradient(loss, None, inputs), prints, tag
         grad_inputs = self._accumulate(loss, None, inputs, weights)
         self._count_accumulated(inputs.shape[0])
-        return float(loss.detach()), grad_inputs
+        return float(loss.detach()), grad_inputs, prints, tag
 
     def _accumulate(
         self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None, inputs: torch.Tensor, weights: dict[str, torch.Tensor]
@@ -366,6 +427,7 @@ class Stage:
         self._accumulated_microbatches = self._accumulated_samples = 0
         self.counters.num_steps += 1
         self._publish_weights()
+        self.weights_tag = ""  # a local step: weights of this replica's own until the next averaging round
 
 
 def _input_gradient(outputs: torch.Tensor, grad_outputs: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:

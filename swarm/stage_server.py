@@ -9,6 +9,11 @@ took. Every request is validated against the run spec (shapes, dtypes, finitenes
 route consistency) before any compute; a bad one is refused with a logged reason and the server
 keeps serving.
 
+A request with ``"fp": true`` (its sender spot-checks) is answered with a fingerprint of this
+stage's outputs as a second tensor and the weights' tag in ``"weights"``; a request of ``"kind":
+"check"`` is a spot check's recompute: the forward alone, answered with the fingerprint only, no
+graph kept, nothing sent on, counted or entered in the ledger (see :mod:`swarm.spot_check`).
+
 With the ``replay`` recovery each request goes through the replica's
 :class:`~swarm.task_pool.MicrobatchLedger` first: a microbatch id seen before is answered without
 computing or counting it twice (see :mod:`swarm.task_pool`).
@@ -62,6 +67,7 @@ class StageServer:
         self.ledger = ledger  # None: the restart baseline, every delivery is computed and counted
         self.reputation = reputation
         self.num_refused = 0
+        self.num_checks_served = 0  # spot-check recomputes answered (swarm/spot_check.py)
         self._local_ids = itertools.count()
         self._accepting = True
         self.is_paused = False  # declines new microbatches while set (the peer's volunteer paused it)
@@ -113,20 +119,19 @@ class StageServer:
             raise Declined("this peer is leaving")
         if self.is_paused:
             raise Declined("this peer is paused")
-        spec, stage = self.stage.spec, self.stage
-        mb_id, route, batch_size, path = _check_forward_header(header, spec.microbatch_size, stage.index, spec.num_stages)
-        if len(tensors) != 2:
-            raise ProtocolError(f"a forward request carries 2 tensors (activations, targets), got {len(tensors)}")
-        activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")
-        targets = require_tensor(tensors, 1, dtype=torch.int64, shape=(batch_size, spec.model.seq_len), name="targets")
-        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= spec.model.vocab_size):
-            raise ProtocolError("targets hold token ids outside the vocabulary")
-        if not torch.isfinite(activations).all():
-            raise ProtocolError("activations hold NaN or Inf")
+        stage = self.stage
+        mb_id, route, batch_size, path = _check_forward_header(header, stage.spec.microbatch_size, stage.index, stage.spec.num_stages)
+        activations, targets = self._check_forward_tensors(tensors, batch_size)
+        if header.get("kind") == "check":  # a spot check: the forward alone, nothing kept, sent on or counted
+            wanted = header.get("weights")
+            fingerprint, tag = await stage.check_forward(activations, weights_tag=wanted if isinstance(wanted, str) else "")
+            self.num_checks_served += 1
+            return {"ok": True, "weights": tag}, [fingerprint]
+        fingerprint = header.get("fp") is True  # the sender spot-checks: answer every request with a fingerprint
         route = [*route, [self.peer_id, stage.index, stage.version]]
         ledger = self.ledger
         if ledger is None:
-            return await self._compute(mb_id, route, path, batch_size, activations, targets, count=True)
+            return await self._compute(mb_id, route, path, batch_size, activations, targets, count=True, fingerprint=fingerprint)
         running = ledger.running(mb_id)
         if running is not None:  # a re-delivery while the first is still being computed here
             reply, reply_tensors = await asyncio.shield(running)
@@ -138,29 +143,45 @@ class StageServer:
         ledger.num_recomputed += not count
         ledger.begin(mb_id)
         try:
-            reply, reply_tensors = await self._compute(mb_id, route, path, batch_size, activations, targets, count=count)
+            reply, reply_tensors = await self._compute(mb_id, route, path, batch_size, activations, targets, count=count,
+                                                       fingerprint=fingerprint)
         except BaseException as e:
             ledger.fail(mb_id, e)
             raise
         ledger.finish(mb_id, {**reply, "route": reply["route"][len(route):]}, reply_tensors)
         return reply, reply_tensors
 
+    def _check_forward_tensors(self, tensors: list[torch.Tensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        spec, stage = self.stage.spec, self.stage
+        if len(tensors) != 2:
+            raise ProtocolError(f"a forward request carries 2 tensors (activations, targets), got {len(tensors)}")
+        activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")
+        targets = require_tensor(tensors, 1, dtype=torch.int64, shape=(batch_size, spec.model.seq_len), name="targets")
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= spec.model.vocab_size):
+            raise ProtocolError("targets hold token ids outside the vocabulary")
+        if not torch.isfinite(activations).all():
+            raise ProtocolError("activations hold NaN or Inf")
+        return activations, targets
+
     async def _compute(
         self, mb_id: str, route: list, path: list[str] | None, batch_size: int,
-        activations: torch.Tensor, targets: torch.Tensor, *, count: bool,
+        activations: torch.Tensor, targets: torch.Tensor, *, count: bool, fingerprint: bool = False,
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """This stage's forward and backward of one microbatch (through the rest of the pipeline)."""
+        """This stage's forward and backward of one microbatch (through the rest of the pipeline);
+        with ``fingerprint``, the reply also carries the outputs' fingerprint and the weights' tag."""
         stage = self.stage
         if stage.is_last:
-            loss, grad = await stage.forward_loss_backward(activations, targets, accumulate=count)
+            loss, grad, prints, tag = await stage.forward_loss_backward_fingerprinted(activations, targets, accumulate=count)
             if not math.isfinite(loss):
                 raise ProtocolError("the activations give a non-finite loss")
             self._counted(mb_id, batch_size, count, loss)
             if count:
                 self.on_microbatch({"mb_id": mb_id, "loss": loss, "route": route, "samples": batch_size})
+            if fingerprint:
+                return {"ok": True, "loss": loss, "route": route, "weights": tag}, [grad, prints]
             return {"ok": True, "loss": loss, "route": route}, [grad]
         local_id = f"{mb_id}#{next(self._local_ids)}"
-        outputs = await stage.forward(local_id, activations)
+        outputs, prints, tag = await stage.forward_fingerprinted(local_id, activations)
         try:
             request = {"mb_id": mb_id, "route": route, "batch_size": batch_size, **({"path": path} if path else {})}
             reply, reply_tensors = await self.router.forward(request, [outputs, targets])
@@ -173,6 +194,8 @@ class StageServer:
             raise
         grad = await stage.backward(local_id, grad_outputs, accumulate=count)
         self._counted(mb_id, batch_size, count)
+        if fingerprint:
+            return {"ok": True, "loss": reply.get("loss"), "route": reply_route, "weights": tag}, [grad, prints]
         return {"ok": True, "loss": reply.get("loss"), "route": reply_route}, [grad]
 
     def _counted(self, mb_id: str, batch_size: int, count: bool, loss: float | None = None) -> None:

@@ -23,10 +23,13 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
+from dht.reputation import Reputation
 from dht.rpc import RemoteError, call_peer
 from dht.wire import read_message
 import replication.transfer as transfer
+from peer.faults import ALLOW_ENV, inject_corrupt_shards
 from replication.assignment import NeighbourLink, SearchConfig
+from replication.fetcher import CORRUPT_PIECE_STRIKES
 from replication.manifest import piece_size_for
 from replication.server import ReplicationServer, manifest_handler, probe_handler, shard_handler
 from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
@@ -127,9 +130,10 @@ def peer_ids(nodes) -> list[str]:
     return [dht.peer_id.to_base58() for dht, _ in nodes]
 
 
-async def pull(joiner, donors: list[str], store_dir: Path, config: TransferConfig = CONFIG) -> PullResult:
+async def pull(joiner, donors: list[str], store_dir: Path, config: TransferConfig = CONFIG,
+               reputation: Reputation | None = None) -> PullResult:
     return await pull_state(await joiner.replicate_p2p(), donors, run_id=RUN, stage=STAGE, store_dir=store_dir,
-                            config=config)
+                            config=config, reputation=reputation)
 
 
 def assert_identical(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor] = STATE) -> None:
@@ -216,6 +220,40 @@ def test_donor_serving_a_corrupted_shard_is_caught_and_dropped(loop, dht_nodes, 
         assert len(servers[1].requested) >= 1  # it did serve, and every shard it served was rejected
         assert set(report.shards_by_donor) == set(peer_ids(donor_nodes)) - {bad}
         assert_accounted(result)
+
+    loop.run_until_complete(main())
+
+
+def test_a_donor_that_keeps_serving_corrupted_pieces_is_struck_then_banned_and_not_asked_again(
+        loop, dht_nodes, tmp_path, monkeypatch):
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    (joiner, _), *donor_nodes = dht_nodes
+    donors, bans = peer_ids(donor_nodes), []
+
+    async def main():
+        servers = await start_donors(donor_nodes, [STATE] * 3)
+        inject_corrupt_shards(servers[1])  # every second request it answers has a byte of each piece flipped
+        liar = donors[1]
+        reputation = Reputation(max_strikes=2 * CORRUPT_PIECE_STRIKES, window=600.0,
+                                on_ban=lambda peer_id, reason: bans.append((peer_id, reason)))
+        for attempt in range(1, 3):  # the same joiner pulls twice (say, it moved away and back)
+            result = await pull(joiner, donors, tmp_path / f"store{attempt}", reputation=reputation)
+            assert_identical(result.state)  # the right state every time, from the honest donors
+            report = result.report
+            assert list(report.failed_donors) == [liar] and "does not match" in report.failed_donors[liar]
+            assert report.num_refetched >= 1  # what it had left went to the others (its honest answers count)
+            assert_accounted(result)
+            if attempt == 1:  # proof of corruption weighs several strikes, but one run is not yet a ban
+                assert CORRUPT_PIECE_STRIKES <= reputation.num_strikes_of(liar) < 2 * CORRUPT_PIECE_STRIKES
+                assert not reputation.is_banned(liar)
+        assert reputation.banned() == [liar] and reputation.num_bans == 1
+        assert bans[0][0] == liar and "corrupted state" in bans[0][1] and "does not match" in bans[0][1]
+        assert all(reputation.num_strikes_of(d) == 0 for d in donors if d != liar)
+        asked = len(servers[1].requested)
+        result = await pull(joiner, donors, tmp_path / "store3", reputation=reputation)
+        assert_identical(result.state)
+        assert result.report.failed_donors == {liar: "banned here for misbehaviour"}
+        assert len(servers[1].requested) == asked  # a banned donor is not asked for anything
 
     loop.run_until_complete(main())
 
