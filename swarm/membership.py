@@ -25,7 +25,7 @@ from typing import Any
 from hivemind.p2p import P2P
 
 from dht.reputation import Reputation
-from dht.rpc import PeerUnavailableError, RemoteError, call_peer, serve_request
+from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError
 from swarm.view import SwarmView
 
@@ -63,10 +63,7 @@ class MembershipNotices:
 
     async def rpc_notify(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # authenticated by libp2p: a notice speaks only for its sender
-        if self.reputation is not None and self.reputation.is_banned(sender):
-            self.num_refused += 1
-            writer.close()
-            return
+        banned = self.reputation is not None and self.reputation.is_banned(sender)
 
         def count(outcome: str) -> None:
             if outcome == "refused":
@@ -78,8 +75,10 @@ class MembershipNotices:
             kind = header.get("kind")
             if kind not in KINDS:
                 raise ProtocolError(f"unknown notice kind {kind!r:.40}")
-            if kind == "ping":
+            if kind == "ping":  # answered even to a banned peer: a ban stops work, it must not look like death
                 return {"ok": True}, []
+            if banned:  # whose rumours and notices count for nothing until the ban ends
+                raise Declined("this peer has banned the sender for a while")
             if kind == "failed":
                 peer = header.get("peer")
                 if not isinstance(peer, str) or not 1 <= len(peer) <= MAX_PEER_ID_CHARS:
