@@ -163,7 +163,7 @@ def test_forged_records_claiming_other_peers_are_ignored(local_swarm):
         while time.time() < deadline:  # forgeries keep coming: the peer stays gone
             assert all(doomed_id not in rows(port) for _, port in survivors)
             time.sleep(1.0)
-        assert len(first.events("microbatch")) >= done + 20, "training stalled"
+        assert len(first.events("microbatch")) >= done + 10, "training stalled"
         routed = [e for e in first.events("microbatch") if e["t"] > gone_at + 2]
         assert routed and not any(hop[0] == doomed_id for e in routed for hop in e["route"])
         assert not [e for e in first.events("replayed") if e["t"] > gone_at + 2 and doomed_id[-6:] in e["reason"]]
@@ -234,7 +234,7 @@ def test_a_peer_claiming_a_huge_version_and_rates_forces_no_reload(local_swarm, 
         wait_for(lambda: joiner.events("state_download") or not joiner.is_alive(), 120, "the joiner's download")
         download = joiner.events("state_download")[0]
         assert liar.peer_id not in download["bytes_by_donor"] and download["version"] != HUGE, download
-        assert "disagrees" in download["failed_donors"].get(liar.peer_id, "disagrees"), download
+        assert "disagrees" in download["failed_donors"][liar.peer_id], download  # it was asked, and outvoted
         assert any(int(e["at"]) == download["version"] for p in holders for e in p.events("averaged"))
         stage1 = [*holders, joiner]
         wait_for(lambda: joiner.events("status"), 60, "the joiner to train")
