@@ -2,12 +2,16 @@
 
 A node gets an RSA record key (for signed records) next to its libp2p identity. Both can persist in
 files so that a bootstrap node keeps its peer id, multiaddr and record ownership across restarts.
+The identity key is created here, not by the p2p daemon, so that this process can bind its records
+to its peer id (:mod:`dht.identity`); the daemon is started from it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import hivemind
@@ -16,6 +20,7 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from dht.identity import PeerIdentity, open_identity, register_identity
 from dht.registry import RunRecordValidator
 
 logger = logging.getLogger(__name__)
@@ -67,11 +72,20 @@ def open_dht(config: DHTNodeConfig) -> tuple[hivemind.DHT, RSASignatureValidator
     """
     private_key = _load_record_key(config.identity_path)
     validator = RSASignatureValidator(private_key)
+    identity, is_new = open_identity(config.identity_path)
     kwargs = {}
-    if config.identity_path is not None:
-        kwargs["identity_path"] = config.identity_path
     if config.announce_maddrs:
         kwargs["announce_maddrs"] = list(config.announce_maddrs)
+    if is_new or not identity.is_rsa:
+        kwargs["check_if_identity_free"] = False  # nobody has it yet; hivemind's check reads RSA keys only
+    temporary_dir = None
+    identity_path = config.identity_path
+    if identity_path is None:  # a throw-away identity: the daemon reads it from a private file at start
+        temporary_dir = tempfile.mkdtemp(prefix="murmuration-id-")
+        identity_path = os.path.join(temporary_dir, "identity")
+        fd = os.open(identity_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity.to_bytes())
     dht = hivemind.DHT(
         initial_peers=list(config.initial_peers) or None,
         host_maddrs=list(config.host_maddrs),
@@ -80,6 +94,7 @@ def open_dht(config: DHTNodeConfig) -> tuple[hivemind.DHT, RSASignatureValidator
         start=False,
         bootstrap_timeout=min(5.0, config.start_timeout),
         wait_timeout=min(5.0, config.start_timeout),
+        identity_path=identity_path,
         **kwargs,
     )
     try:
@@ -88,7 +103,18 @@ def open_dht(config: DHTNodeConfig) -> tuple[hivemind.DHT, RSASignatureValidator
         dht.shutdown()
         where = ", ".join(config.initial_peers) or "(no bootstrap)"
         raise BootstrapError(f"could not join the swarm through {where}: {_first_line(e)}") from e
+    finally:
+        if temporary_dir is not None:
+            shutil.rmtree(temporary_dir, ignore_errors=True)
+    _check_peer_id(dht, identity)
+    register_identity(dht, identity)
     return dht, validator
+
+
+def _check_peer_id(dht: hivemind.DHT, identity: PeerIdentity) -> None:
+    if dht.peer_id.to_base58() != identity.peer_id:  # our peer id derivation and the daemon's disagree: a bug
+        dht.shutdown()
+        raise RuntimeError(f"the p2p daemon runs as {dht.peer_id}, not as the identity given ({identity.peer_id})")
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

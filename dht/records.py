@@ -25,6 +25,7 @@ ROLES = ("reliable", "unreliable")
 PEER_STATES = ("joining", "syncing", "training", "paused", "leaving")
 MAX_STAGES = 64
 MAX_ADDRS = 16
+MAX_BINDING_BYTES = 1024  # peer_key (a libp2p RSA-4096 key is ~550 bytes) and peer_signature
 SOFTWARE_VERSION_PATTERN = re.compile(r"^[0-9A-Za-z.+_-]{0,32}$")
 
 
@@ -182,6 +183,10 @@ class PeerRecord:
         bytes_received: likewise, received.
         backup_stage: the stage whose backup it keeps for the swarm (``planner.backup``), -1 if none.
         backup_version: the version of that backup (0 if none).
+        peer_key: the libp2p public key its peer id hashes (RSA identities; empty when the peer id
+            inlines the key, as Ed25519 ones do).
+        peer_signature: the binding: the identity key's signature of the run id and the record key
+            this record is stored under (``dht.identity``). A reader drops a record without a valid one.
 
     Fields added later have defaults, so records of peers that do not send them still parse.
     """
@@ -204,6 +209,8 @@ class PeerRecord:
     bytes_received: int = 0
     backup_stage: int = -1
     backup_version: int = 0
+    peer_key: bytes = b""
+    peer_signature: bytes = b""
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not 1 <= len(self.peer_id) <= 128:
@@ -232,10 +239,17 @@ class PeerRecord:
             raise ValueError("params_digest must be a short string")
         if not isinstance(self.software_version, str) or not SOFTWARE_VERSION_PATTERN.fullmatch(self.software_version):
             raise ValueError("software_version must be up to 32 letters, digits or '.+_-'")
+        for name in ("peer_key", "peer_signature"):
+            value = getattr(self, name)
+            if not isinstance(value, bytes) or len(value) > MAX_BINDING_BYTES:
+                raise ValueError(f"{name} must be at most {MAX_BINDING_BYTES} bytes")
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, *, with_binding: bool = True) -> dict[str, Any]:
+        """The record as stored; ``with_binding=False`` leaves out the binding's bytes (for JSON logs)."""
         wire = asdict(self)
         wire["maddrs"] = list(self.maddrs)
+        if not with_binding:
+            del wire["peer_key"], wire["peer_signature"]
         return wire
 
     @classmethod

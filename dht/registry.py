@@ -9,10 +9,17 @@ owner key (so hivemind's ``RSASignatureValidator`` checks their signature) and w
 at most ``MAX_RECORD_TTL`` away. Without it one plain value stored under ``<run_id>.peers`` with a
 far expiration replaces the whole dictionary on the nodes that hold it: every heartbeat of the run
 vanishes and no new one is accepted until that value expires (found by tests/fuzz).
+
+A peer record also has to be *bound* to the peer id it claims (:mod:`dht.identity`): its binding
+is the identity key's signature of the run id and the record key (the subkey) it is stored under.
+:func:`declare_peer` adds it; :func:`fetch_peers` drops a record whose binding fails, with the
+reason logged (rate-limited). Since the binding names the record key, two records claiming one
+peer id cannot both be bound: only the peer's own counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -26,7 +33,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
+from dht.identity import BindingCache, identity_of
 from dht.records import RUNS_KEY, PeerRecord, RunSpec, peers_key, spec_key
+from dht.rpc import RefusalLog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,6 +43,8 @@ T = TypeVar("T")
 SPEC_TTL = 6 * 3600.0
 MAX_RECORD_TTL = 2 * SPEC_TTL  # a record expiring later than this is refused (clock skew allowed for)
 _OWNER_MARKER = b"[owner:"
+BINDINGS = BindingCache()  # verdicts on (peer id, record key) bindings, process-wide
+RECORD_REFUSALS = RefusalLog(noun="record")  # unbound records: each distinct one logged once, bounded
 
 
 class RunRecordValidator(RecordValidatorBase):
@@ -127,25 +138,51 @@ async def fetch_run_ids(dht: hivemind.DHT) -> list[str]:
 async def declare_peer(
     dht: hivemind.DHT, validator: RSASignatureValidator, run_id: str, record: PeerRecord, *, ttl: float
 ) -> bool:
-    """Store this peer's heartbeat; it expires ``ttl`` seconds from now unless refreshed."""
+    """Store this peer's heartbeat, bound to this node's peer id; it expires ``ttl`` seconds from now
+    unless refreshed. A DHT node not opened by ``dht.node.open_dht`` has no identity key here, and
+    its records go out unbound (readers drop them)."""
     await protect_run_keys(dht, run_id)
     expiration = get_dht_time() + ttl
     key = peers_key(run_id)
+    identity = identity_of(dht)
+    if identity is not None and not record.peer_signature:
+        peer_key, signature = identity.bind(run_id, validator.local_public_key)
+        record = dataclasses.replace(record, peer_key=peer_key, peer_signature=signature)
     return bool(
         await dht.store(key, record.to_wire(), expiration, subkey=validator.local_public_key, return_future=True)
     )
 
 
 async def fetch_peers(dht: hivemind.DHT, run_id: str) -> list[PeerRecord]:
-    """Live peer records of the run, sorted by peer id; malformed ones are logged and dropped."""
+    """Live peer records of the run bound to the peer ids they claim, sorted by peer id; malformed or
+    unbound ones are logged and dropped."""
     await protect_run_keys(dht, run_id)
     records: dict[str, PeerRecord] = {}
-    for record in await _fetch_valid(dht, peers_key(run_id), PeerRecord.from_wire, what=f"peer record in run {run_id}"):
-        # two keys claiming one peer id: keep the fresher one (highest version)
-        previous = records.get(record.peer_id)
-        if previous is None or record.version >= previous.version:
+    for subkey, value in await _fetch_dictionary(dht, peers_key(run_id)):
+        try:
+            record = PeerRecord.from_wire(value)
+        except ValueError as e:
+            logger.warning(f"ignoring a malformed peer record in run {run_id}: {e}")
+            continue
+        if not is_bound(record, subkey, run_id):
+            continue
+        previous = records.get(record.peer_id)  # one peer under two record keys (restarted): the newer one
+        if previous is None or record.announced_at >= previous.announced_at:
             records[record.peer_id] = record
     return [records[k] for k in sorted(records)]
+
+
+def is_bound(record: PeerRecord, record_key: Any, run_id: str) -> bool:
+    """Whether ``record``, stored under ``record_key``, is bound to its peer id; logs why not
+    (once per distinct record binding: verdicts are cached)."""
+    if not isinstance(record_key, bytes):
+        RECORD_REFUSALS.refused("peer", f"{record.peer_id[-8:]}'s record is stored under no record key")
+        return False
+    before = BINDINGS.num_verified
+    reason = BINDINGS.check(record.peer_id, record_key, run_id, record.peer_key, record.peer_signature)
+    if reason and BINDINGS.num_verified != before:
+        RECORD_REFUSALS.refused("peer", f"a record claiming peer id {record.peer_id} in run {run_id}: {reason}")
+    return not reason
 
 
 async def _fetch_valid(dht: hivemind.DHT, key: str, parse: Callable[[Any], T], *, what: str) -> list[T]:

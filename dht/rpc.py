@@ -64,8 +64,9 @@ class RefusalLog:
     at most ``burst`` lines per kind of request per ``period`` seconds plus one summary line, rather
     than one line per message (which would fill the disk and cost the CPU the flood aims at)."""
 
-    def __init__(self, *, period: float = REFUSAL_LOG_PERIOD, burst: int = REFUSAL_LOG_BURST) -> None:
-        self.period, self.burst = period, burst
+    def __init__(self, *, period: float = REFUSAL_LOG_PERIOD, burst: int = REFUSAL_LOG_BURST,
+                 noun: str = "request") -> None:
+        self.period, self.burst, self.noun = period, burst, noun  # noun: what is refused ("record", ...)
         self._windows: dict[str, tuple[float, int]] = {}  # what -> (window start, refusals in it)
 
     def refused(self, what: str, reason: str) -> None:
@@ -73,15 +74,15 @@ class RefusalLog:
         started, count = self._windows.get(what, (now, 0))
         if now - started >= self.period:
             if count > self.burst:
-                logger.warning(f"refused {count - self.burst} more {what} requests in the last "
+                logger.warning(f"refused {count - self.burst} more {what} {self.noun}s in the last "
                                f"{now - started:.0f}s (the first {self.burst} logged in full)")
             started, count = now, 0
         count += 1
         self._windows[what] = (started, count)
         if count <= self.burst:
-            logger.warning(f"refused a {what} request: {reason}")
+            logger.warning(f"refused a {what} {self.noun}: {reason}")
         elif count == self.burst + 1:
-            logger.warning(f"refusing more {what} requests than {self.burst} per {self.period:.0f}s: "
+            logger.warning(f"refusing more {what} {self.noun}s than {self.burst} per {self.period:.0f}s: "
                            f"not logging each one until the period ends (the counts are in /metrics)")
 
 

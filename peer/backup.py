@@ -36,13 +36,14 @@ from peer.config import PeerConfig
 from peer.join import piece_bytes_of
 from peer.metrics import MetricsLog
 from planner.backup import BackupCopy, Rescue, assign_backups, choose_rescues
+from planner.claims import credible_copies
 from planner.stage_choice import StageMember
 from replication.server import SnapshotFn
 from replication.transfer import TransferConfig, TransferError, pull_state
 from swarm.model import stage_flops_per_sample, stage_num_params
 from swarm.view import SwarmView
 
-__all__ = ["BackupKeeper", "RescueWatch", "StageBackup", "state_digest"]
+__all__ = ["BackupKeeper", "RescueWatch", "StageBackup", "advertised_copies", "state_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,15 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
 def stage_members(view: SwarmView, num_stages: int, states: tuple[str, ...]) -> list[StageMember]:
     return [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops)
             for k in range(num_stages) for r in view.members(k, states=states)]
+
+
+def advertised_copies(view: SwarmView, num_stages: int, *, exclude: str = "") -> list[BackupCopy]:
+    """The backups working peers (but ``exclude``) advertise that count (``planner.claims.credible_copies``:
+    the named keeper's copy of a stage, if it advertises one, whatever version anyone else claims)."""
+    copies = [BackupCopy(peer_id=r.peer_id, stage=r.backup_stage, version=r.backup_version)
+              for r in view.records if 0 <= r.backup_stage < num_stages and r.state in HOLDER_STATES
+              and r.peer_id != exclude]
+    return credible_copies(num_stages, stage_members(view, num_stages, HOLDER_STATES), copies)
 
 
 class BackupKeeper:
@@ -233,8 +243,7 @@ class RescueWatch:
                 self._unheld_since.setdefault(stage, now)
         if any(r.state == "joining" for r in self.view.records):
             return None  # a joiner prefers an unheld stage: let it choose first
-        copies = [BackupCopy(peer_id=r.peer_id, stage=r.backup_stage, version=r.backup_version)
-                  for r in self.view.records if 0 <= r.backup_stage < num_stages and r.state in HOLDER_STATES]
+        copies = advertised_copies(self.view, num_stages)
         paused = {r.peer_id for r in self.view.records if r.state == "paused"}
         for rescue in choose_rescues(self.costs, members, copies, unmovable=paused):
             named_at = self._named.get(rescue.to_stage)

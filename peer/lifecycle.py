@@ -32,7 +32,7 @@ from dht.records import PeerRecord, RunSpec
 from dht.registry import declare_peer, dht_time
 from dht.reputation import Reputation
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
-from peer.backup import BackupKeeper, RescueWatch, state_digest
+from peer.backup import BackupKeeper, RescueWatch, advertised_copies, state_digest
 from peer.checkpoint import (
     CheckpointError,
     WriteProgress,
@@ -181,7 +181,7 @@ class Peer:
             stage_index, snapshot = await negotiate_stage(self.view, self.spec, self.peer_id,
                                                           settle_delay=config.settle_delay, timeout=config.join_timeout)
         self.metrics.write("joined", peer_id=self.peer_id, stage=stage_index, flops=self.flops,
-                           snapshot=[r.to_wire() for r in snapshot])
+                           snapshot=[r.to_wire(with_binding=False) for r in snapshot])
         self._check_memory(stage_index, device)
         self.stage = Stage(self.spec, stage_index, device=device)
         self.state = "syncing"
@@ -284,12 +284,15 @@ class Peer:
             else:
                 self._backup_loaded("local-backup", backup.version, backup.digest, started)
                 return "local-backup"
-        keepers = [r for r in self.view.records if r.backup_stage == stage.index and r.peer_id != self.peer_id
-                   and r.state in ("training", "paused")]  # a syncing keeper serves nothing yet
-        if not keepers:
+        # the copies that count (a syncing keeper serves nothing yet; a copy claimed by any but the
+        # named keeper only counts without the keeper's), newest first: older copies would outvote it
+        copies = [c for c in advertised_copies(self.view, self.spec.num_stages, exclude=self.peer_id)
+                  if c.stage == stage.index]
+        if not copies:
             return None
-        newest = max(r.backup_version for r in keepers)
-        keepers = [r for r in keepers if r.backup_version == newest]  # older copies would outvote it
+        newest = max(c.version for c in copies)
+        chosen = {c.peer_id for c in copies if c.version == newest}
+        keepers = [r for r in self.view.records if r.peer_id in chosen]
         self.sync_progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
         try:
             result = await pull_stage_state(self.p2p, stage, keepers, config=self.config, min_agreeing_donors=1,

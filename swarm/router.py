@@ -6,7 +6,8 @@ peers of the next stage, pick peer ``p`` with probability proportional to
     w_p = throughput_p / (1 + in_flight_p)
 
 where ``throughput_p`` is what ``p`` advertises (measured samples/s once it trains, its profiled
-FLOP/s over the stage cost before that) and ``in_flight_p`` the microbatches this peer has sent
+FLOP/s over the stage cost before that), capped at ``MAX_CLAIM_RATIO`` times the candidates' median
+(``planner.claims``) and ``in_flight_p`` the microbatches this peer has sent
 to ``p`` and not yet heard back about (a queue-length signal it observes locally, at no cost).
 A peer that failed a call is avoided for ``failure_cooldown`` seconds. If a hop fails, the same
 microbatch goes to another peer of that stage (the upstream still holds its inputs), so a
@@ -47,6 +48,7 @@ from dht.rpc import (
     call_peer,
     forward_handler,
 )
+from planner.claims import cap_to_median
 from swarm.spot_check import SpotChecker
 from swarm.view import SwarmView
 
@@ -61,12 +63,12 @@ class NoPeerAvailableError(Declined):
 
 
 def hop_weights(candidates: Sequence[PeerRecord], in_flight: Counter, stage_flops: float) -> list[float]:
-    """Selection weight of each candidate: advertised throughput over (1 + our in-flight to it)."""
-    weights = []
-    for record in candidates:
-        throughput = record.samples_per_s if record.samples_per_s > 0 else record.flops / stage_flops
-        weights.append(max(throughput, 1e-9) / (1 + in_flight[record.peer_id]))
-    return weights
+    """Selection weight of each candidate: advertised throughput, capped at ``MAX_CLAIM_RATIO`` times
+    the candidates' median (``planner.claims``: one liar cannot draw all the traffic), over (1 + our
+    in-flight to it)."""
+    throughputs = cap_to_median([r.samples_per_s if r.samples_per_s > 0 else r.flops / stage_flops
+                                 for r in candidates])
+    return [max(throughput, 1e-9) / (1 + in_flight[r.peer_id]) for r, throughput in zip(candidates, throughputs, strict=True)]
 
 
 def substitute_order(mb_id: str, peer_ids: Sequence[str]) -> list[str]:

@@ -1,8 +1,15 @@
-"""The swarm as this peer sees it: the latest peer records, refreshed from the DHT in the background."""
+"""The swarm as this peer sees it: the latest peer records, refreshed from the DHT in the background.
+
+The records are bound to their peer ids (``dht.registry.fetch_peers``), and the figures in them that
+steer other peers' decisions are read through ``planner.claims``' bounds (:func:`bound_claims`), so
+every consumer of the view (stage choice, rebalancing, backups, the router, the status pages) sees
+a liar's FLOP/s and samples/s capped at a multiple of its peers' median.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -12,6 +19,9 @@ import hivemind
 
 from dht.records import PeerRecord
 from dht.registry import fetch_peers
+from planner.claims import cap_to_median
+
+RATE_STATES = ("training", "paused")  # peers whose samples/s is a measurement of their stage
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +44,7 @@ class SwarmView:
 
     async def refresh(self) -> list[PeerRecord]:
         before = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
-        self.records = await fetch_peers(self.dht, self.run_id)
+        self.records = bound_claims(await fetch_peers(self.dht, self.run_id))
         after = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
         for key in after.keys() - before.keys():
             self.on_change("scale_out", after[key])
@@ -89,3 +99,23 @@ class SwarmView:
             if elapsed > self.refresh_period:
                 logger.warning(f"swarm view refresh took {elapsed:.2f}s, longer than its {self.refresh_period}s period")
             await asyncio.sleep(self.refresh_period * random.uniform(0.8, 1.2))
+
+
+def bound_claims(records: list[PeerRecord]) -> list[PeerRecord]:
+    """``records`` with FLOP/s capped by the swarm's median (a device figure: every record counts) and
+    samples/s by the median of the same stage's working peers (``planner.claims.cap_to_median``).
+    Deterministic: peers that see the same records see the same bounded ones."""
+    flops = cap_to_median([r.flops for r in records])
+    rates = [r.samples_per_s for r in records]
+    for stage in {r.stage for r in records if r.stage >= 0}:
+        group = [i for i, r in enumerate(records) if r.stage == stage and r.state in RATE_STATES]
+        for i, rate in zip(group, cap_to_median([rates[i] for i in group]), strict=True):
+            rates[i] = rate
+    bounded = []
+    for record, capped_flops, capped_rate in zip(records, flops, rates, strict=True):
+        if (capped_flops, capped_rate) != (record.flops, record.samples_per_s):
+            logger.debug(f"{record.peer_id[-6:]} claims {record.flops:.3g} FLOP/s and {record.samples_per_s:.3g} "
+                         f"samples/s; counted as {capped_flops:.3g} and {capped_rate:.3g} (its peers' median bounds it)")
+            record = dataclasses.replace(record, flops=capped_flops, samples_per_s=capped_rate)
+        bounded.append(record)
+    return bounded

@@ -389,6 +389,7 @@ def garbage_peer_records(valid: dict[str, Any], *, seed: int) -> Iterator[tuple[
         "version": [-1, 1 << 62, "1"], "loss": [math.inf, -math.inf, "low", True], "announced_at": [-1.0, math.nan, 1e12],
         "maddrs": ["/ip4/1.2.3.4", ["x"] * 17, [1], ["a" * 300]], "params_digest": [1, "d" * 200],
         "software_version": ["<script>", "x" * 40, 1], "bytes_sent": [-1, 1 << 62], "averaged_at": [math.inf],
+        "peer_key": ["key", 1, b"k" * 1025], "peer_signature": ["sig", None, b"s" * 1025],
     }
     while True:
         if rng.random() < 0.3:

@@ -38,26 +38,30 @@ def test_a_record_under_someone_elses_key_is_refused(dht_nodes):
     asyncio.run(main())
 
 
+def peer_id(dht) -> str:
+    return dht.peer_id.to_base58()
+
+
 def test_malformed_peer_records_are_dropped_and_valid_ones_kept(dht_nodes):
     (a, va), (b, vb), (reader, _) = dht_nodes
-    good = PeerRecord(peer_id="good-peer", role="reliable", state="training", stage=0, flops=1e9)
+    good = PeerRecord(peer_id=peer_id(a), role="reliable", state="training", stage=0, flops=1e9)
 
     async def main():
         assert await declare_peer(a, va, "alpha", good, ttl=60)
-        bad = {**good.to_wire(), "peer_id": "bad-peer", "stage": "zero"}
+        bad = {**good.to_wire(), "peer_id": peer_id(b), "stage": "zero"}
         assert await b.store(peers_key("alpha"), bad, get_dht_time() + 60, subkey=vb.local_public_key, return_future=True)
-        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == ["good-peer"]
+        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == [peer_id(a)]
 
     asyncio.run(main())
 
 
 def test_peer_record_disappears_after_its_ttl(dht_nodes):
     (a, va), _, (reader, _) = dht_nodes
-    record = PeerRecord(peer_id="short-lived", role="unreliable", state="training", stage=1, flops=1.0)
+    record = PeerRecord(peer_id=peer_id(a), role="unreliable", state="training", stage=1, flops=1.0)
 
     async def main():
         assert await declare_peer(a, va, "alpha", record, ttl=1.0)
-        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == ["short-lived"]
+        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == [peer_id(a)]
         deadline = get_dht_time() + 10
         while await fetch_peers(reader, "alpha"):
             assert get_dht_time() < deadline, "an expired heartbeat is still listed"
@@ -70,7 +74,7 @@ def test_a_plain_or_unsigned_value_cannot_replace_the_run_heartbeats(dht_nodes):
     """Regression (tests/fuzz): one plain value stored under ``<run>.peers`` with a far expiration
     replaced the whole dictionary on the nodes holding it, so every heartbeat of the run vanished."""
     (a, va), (b, vb), (reader, _) = dht_nodes
-    good = PeerRecord(peer_id="good-peer", role="reliable", state="training", stage=0, flops=1e9)
+    good = PeerRecord(peer_id=peer_id(a), role="reliable", state="training", stage=0, flops=1e9)
 
     async def main():
         assert await declare_peer(a, va, "alpha", good, ttl=60)
@@ -82,7 +86,7 @@ def test_a_plain_or_unsigned_value_cannot_replace_the_run_heartbeats(dht_nodes):
             assert not await b.store(key, good.to_wire(), now + 60, subkey=b"no owner", return_future=True)
             assert not await b.store(key, good.to_wire(), now + 10**6, subkey=vb.local_public_key, return_future=True)
         assert await b.store(peers_key("alpha"), {"junk": 1}, now + 60, subkey=vb.local_public_key, return_future=True)
-        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == ["good-peer"]
+        assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == [peer_id(a)]
         assert await b.store("unrelated", b"plain values elsewhere are fine", now + 10**6, return_future=True)
 
     asyncio.run(main())
