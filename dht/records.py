@@ -20,7 +20,7 @@ from typing import Any
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RUNS_KEY = "murmuration.runs"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: peer records carry a binding to the libp2p identity (docs/records.md)
 ROLES = ("reliable", "unreliable")
 PEER_STATES = ("joining", "syncing", "training", "paused", "leaving")
 MAX_STAGES = 64

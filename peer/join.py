@@ -17,7 +17,7 @@ from pathlib import Path
 import hivemind
 from hivemind.p2p import P2P
 
-from dht.records import PeerRecord, RunSpec
+from dht.records import PROTOCOL_VERSION, PeerRecord, RunSpec
 from dht.reputation import Reputation
 from dht.registry import fetch_run_ids, fetch_run_specs
 from peer.config import PeerConfig
@@ -44,6 +44,9 @@ async def fetch_spec(dht: hivemind.DHT, run_id: str, *, timeout: float) -> RunSp
         if specs:
             if len({repr(s.to_wire()) for s in specs}) > 1:
                 logger.warning(f"{len(specs)} different specs are published for run {run_id}; using the first")
+            if specs[0].protocol_version != PROTOCOL_VERSION:
+                raise UserError(f"Run '{run_id}' speaks Murmuration protocol {specs[0].protocol_version} and this peer "
+                                f"speaks {PROTOCOL_VERSION}; install the Murmuration version the run's bootstrap runs.")
             return specs[0]
         if time.monotonic() >= deadline:
             break

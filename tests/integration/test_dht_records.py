@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hivemind.utils import get_dht_time
 
-from dht.records import RUNS_KEY, PeerRecord, RunSpec, peers_key, spec_key
+from dht.records import PROTOCOL_VERSION, RUNS_KEY, PeerRecord, RunSpec, peers_key, spec_key
 from dht.registry import declare_peer, declare_run_spec, fetch_peers, fetch_run_ids, fetch_run_specs
+from peer.errors import UserError
+from peer.join import fetch_spec
 
 
 def test_spec_published_by_one_node_is_read_by_another(dht_nodes):
@@ -88,5 +91,19 @@ def test_a_plain_or_unsigned_value_cannot_replace_the_run_heartbeats(dht_nodes):
         assert await b.store(peers_key("alpha"), {"junk": 1}, now + 60, subkey=vb.local_public_key, return_future=True)
         assert [r.peer_id for r in await fetch_peers(reader, "alpha")] == [peer_id(a)]
         assert await b.store("unrelated", b"plain values elsewhere are fine", now + 10**6, return_future=True)
+
+    asyncio.run(main())
+
+
+def test_a_run_of_another_protocol_version_is_refused_with_what_to_do(dht_nodes):
+    (publisher, validator), (reader, _), _ = dht_nodes
+    old = RunSpec(run_id="old", seed=7, protocol_version=PROTOCOL_VERSION - 1)
+
+    async def main():
+        assert await declare_run_spec(publisher, validator, old)
+        with pytest.raises(UserError, match=f"protocol {PROTOCOL_VERSION - 1} and this peer speaks {PROTOCOL_VERSION}"):
+            await fetch_spec(reader, "old", timeout=5.0)
+        assert await declare_run_spec(publisher, validator, RunSpec(run_id="new", seed=7))
+        assert (await fetch_spec(reader, "new", timeout=5.0)).protocol_version == PROTOCOL_VERSION
 
     asyncio.run(main())
