@@ -28,7 +28,8 @@ every RSS sample):
 * ``survivor_crashes``: peers the bench neither killed nor signalled that exited (any exit code) or
   died, from the moment every peer trained to the end of the window, rejoiners included
   (``crashed_unasked`` names them; ``bootstrap_exited`` says the same of the bootstrap).
-  ``unclean_stops`` names the peers that exited non-zero after the final SIGINT.
+  ``unclean_stops`` names the peers that exited non-zero after the final SIGINT, ``unclean_leaves``
+  those that did so after a leave of the trace (or were killed after hanging for 60 s).
 * ``samples_lost``: as in churn.py (:func:`bench.churn_metrics.count_losses`): samples injected by a
   stage-0 peer that exited cleanly, never finished and not reported unfinished. Crashed data owners'
   in-flight samples are ``samples_lost_at_crashed_peers`` (no scheme recovers those).
@@ -245,12 +246,12 @@ def look_for_leftovers(monitor: Monitor, workdir: Path, *, since_ticks: int, gra
             break
         time.sleep(POLL_PERIOD)
     sockets = listening_sockets(s.pid for s in found)
-    killed = kill_leftovers(found)
-    return {"processes": [{"pid": s.pid, "comm": s.comm, "ppid": s.ppid, "sid": s.sid,
-                           "cmdline": " ".join(read_cmdline(s.pid))[:200]} for s in found],
+    described = [{"pid": s.pid, "comm": s.comm, "ppid": s.ppid, "sid": s.sid,
+                  "cmdline": " ".join(read_cmdline(s.pid))[:200]} for s in found]
+    return {"processes": described,
             "listening": {str(pid): sorted(held.values()) for pid, held in sockets.items()},
             "num_sockets": len({inode for held in sockets.values() for inode in held}),
-            "killed": killed}
+            "killed": kill_leftovers(found)}
 
 
 # ---- the line ----------------------------------------------------------------------------------------
@@ -283,6 +284,7 @@ def summarize(run: dict, args: argparse.Namespace) -> dict:
         "survivors": survivors, "protected": run["protected"],
         "crashed_unasked": crashed_unasked, "bootstrap_exited": run["bootstrap_exited"],
         "hung_at_stop": run["stop"]["hung_at_stop"], "unclean_stops": run["stop"]["unclean_stops"],
+        "unclean_leaves": [p.name for p in peers if p.left and not p.drained],
         "leftovers": run["leftovers"]["processes"], "leftover_listening_ports": run["leftovers"]["listening"],
         "num_skipped": sum("skipped" in e for e in run["applied"]),
         "samples_lost_at_crashed_peers": losses.lost_at_crashed_peers if losses else None,

@@ -80,15 +80,16 @@ def test_p2pd_socket_files_come_from_its_listen_argument():
 
 
 def test_a_soak_line_from_a_hand_made_run(tmp_path):
-    """summarize(): 3 initial peers and a rejoiner; peer2 is crashed by the bench, the rejoiner dies unasked."""
-    def peer(name, peer_id, stage, *, gone_at=None, crashed=False):
+    """summarize(): 3 initial peers and two rejoiners; the bench crashes peer2, peer3 dies unasked, peer4
+    leaves but does not exit cleanly."""
+    def peer(name, peer_id, stage, *, gone_at=None, crashed=False, left=False):
         events = [{"t": T0 - 30, "event": "joined", "peer_id": peer_id, "stage": stage},
                   {"t": T0 - 29, "event": "status", "stage": stage}]
         if stage == 0:
             events += [{"t": T0 + k, "event": e, "stage": 0, "mb_id": f"{peer_id}:{k}", "samples": 16}
                        for k in range(10) for e in ("injected", "microbatch")]
             events.append({"t": T0 + 11, "event": "injected", "stage": 0, "mb_id": f"{peer_id}:lost", "samples": 16})
-        return SimpleNamespace(name=name, events=events, gone_at=gone_at, crashed=crashed, drained=stage == 0)
+        return SimpleNamespace(name=name, events=events, gone_at=gone_at, crashed=crashed, drained=stage == 0, left=left)
 
     left_behind = tmp_path / "hivemind-p2pd-a.sock"
     left_behind.write_text("")
@@ -97,9 +98,11 @@ def test_a_soak_line_from_a_hand_made_run(tmp_path):
     run = {"window": (T0, T0 + 600), "protected": ["peer0", "peer1"],
            "applied": [{"at": 30.0, "t": T0 + 30, "kind": "crash", "peer": "peer2", "stage": 1},
                        {"at": 60.0, "t": T0 + 60, "kind": "rejoin", "peer": "peer3"},
-                       {"at": 90.0, "t": T0 + 90, "kind": "leave", "skipped": "no stage has two training peers"}],
+                       {"at": 90.0, "t": T0 + 90, "kind": "leave", "skipped": "no stage has two training peers"},
+                       {"at": 120.0, "t": T0 + 120, "kind": "leave", "peer": "peer4", "stage": 1}],
            "peers": [peer("peer0", "a", 0), peer("peer1", "b", 1), peer("peer2", "c", 1, gone_at=T0 + 30, crashed=True),
-                     peer("peer3", "d", 1, gone_at=T0 + 70, crashed=True)],
+                     peer("peer3", "d", 1, gone_at=T0 + 70, crashed=True),
+                     peer("peer4", "e", 1, gone_at=T0 + 120, left=True)],
            "stop": {"hung_at_stop": [], "unclean_stops": []}, "bootstrap_exited": False,
            "leftovers": {"processes": [{"pid": 7, "comm": "p2pd"}], "listening": {"7": [4242]}, "num_sockets": 1},
            "samples": samples,
@@ -107,8 +110,8 @@ def test_a_soak_line_from_a_hand_made_run(tmp_path):
     args = argparse.Namespace(peers=3, stages=2, event_period=30.0, seed=0, warmup=60.0, rss_period=10.0)
     line = soak.summarize(run, args)
     assert line["bench"] == "soak" and line["minutes"] == 10.0 and line["peers"] == 3
-    assert line["events"] == {"crash": 1, "rejoin": 1} and line["num_skipped"] == 1
-    assert line["survivor_crashes"] == 1 and line["crashed_unasked"] == ["peer3"]
+    assert line["events"] == {"crash": 1, "rejoin": 1, "leave": 1} and line["num_skipped"] == 1
+    assert line["survivor_crashes"] == 1 and line["crashed_unasked"] == ["peer3"] and line["unclean_leaves"] == ["peer4"]  # it did not exit 0
     assert line["samples_lost"] == 16  # peer0 drained cleanly and never finished "a:lost"
     assert line["survivors"] == ["peer0", "peer1"]  # peer2 was crashed; peer3 is no initial peer
     assert line["rss_growth"] == pytest.approx(0.1) and line["rss_growth_per_peer"]["peer1"]["growth"] == 0.0
