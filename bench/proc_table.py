@@ -10,7 +10,9 @@ leads a new session and process group (``start_new_session``); its hivemind DHT 
 DHT child's ``p2pd`` (hivemind starts it with ``create_subprocess_exec``, no new session) inherit
 both. While the peer lives, its children are found through the parent chain. Once it exited, an
 orphaned child is re-parented to init (or a subreaper) and the chain is gone, but its session id and
-process group id still name the peer, so those catch a leftover whichever way it was orphaned.
+process group id still name the peer, so those catch a leftover whichever way it was orphaned. One
+child escapes both: torch's ``torch_shm_manager`` calls setsid, so a ``killpg`` of the peer's group
+misses it and only a sighting while its parent lived ties it to the peer (``seen`` below).
 """
 
 from __future__ import annotations
@@ -143,25 +145,34 @@ def spawned(pid: int) -> Spawned | None:
     return Spawned(pid, stat.start_ticks) if stat is not None else None
 
 
-def find_leftovers(roots: Collection[Spawned], *, workdir: str | Path | None = None, since_ticks: int,
-                   table: Mapping[int, ProcStat] | None = None, exclude: Collection[int] = ()) -> list[ProcStat]:
-    """Processes still alive that came from ``roots``: a root itself (same PID and start time), a
-    descendant of one by the parent chain, or a process in a session or process group a root led;
-    and ``p2pd``/python processes whose command line mentions ``workdir``. Only processes started at or
+def find_leftovers(roots: Collection[Spawned], *, seen: Collection[ProcStat] = (), workdir: str | Path | None = None,
+                   since_ticks: int, table: Mapping[int, ProcStat] | None = None,
+                   exclude: Collection[int] = ()) -> list[ProcStat]:
+    """Processes still alive that came from ``roots`` (the processes the bench started) or from
+    ``seen`` (their descendants as observed while they ran): one of those itself (same PID and start
+    time), a descendant of one by the parent chain, or a process in a session or process group that a
+    root or a seen process led; and ``p2pd``/python processes whose command line mentions ``workdir``.
+
+    ``seen`` matters for a descendant that starts a session of its own (torch's ``torch_shm_manager``
+    does): once its parent died, neither the parent chain nor the bench's sessions lead to it. A leader
+    whose PID now names another process (reused) leads nothing of ours. Only processes started at or
     after ``since_ticks`` (the bench's own start) count, and never those in ``exclude`` (the bench and
     its ancestors: a ``flock ... bench/soak.py --keep-dir DIR`` mentions the workdir too). Zombies are
-    skipped: they hold no memory or socket and vanish when reaped."""
+    skipped: they hold no memory or socket and vanish when reaped.
+    """
     table = process_table() if table is None else table
-    leaders = {root.pid for root in roots}
-    alive_roots = [r.pid for r in roots if (s := table.get(r.pid)) is not None and s.start_ticks == r.start_ticks]
-    below = {pid for root in alive_roots for pid in [root, *descendants(root, table)]}
+    known = {r.pid: r.start_ticks for r in roots} | {s.pid: s.start_ticks for s in seen}
+    alive = [pid for pid, ticks in known.items() if (s := table.get(pid)) is not None and s.start_ticks == ticks]
+    below = {pid for root in alive for pid in [root, *descendants(root, table)]}
+    led = {r.pid for r in roots} | {s.pid for s in seen if s.sid == s.pid or s.pgid == s.pid}
+    leaders = {pid for pid in led if pid not in table or table[pid].start_ticks == known[pid]}
     marker = os.path.join(str(workdir), "") if workdir is not None else None  # "/tmp/x/" does not match "/tmp/xy"
     found = []
     for stat in table.values():
         if stat.pid in exclude or stat.start_ticks < since_ticks or stat.state == "Z":
             continue
-        came_from_roots = stat.pid in below or stat.sid in leaders or stat.pgid in leaders
-        if came_from_roots or (marker is not None and mentions(stat, marker)):
+        came_from_ours = stat.pid in below or stat.sid in leaders or stat.pgid in leaders
+        if came_from_ours or (marker is not None and mentions(stat, marker)):
             found.append(stat)
     return sorted(found, key=lambda s: s.pid)
 

@@ -52,9 +52,12 @@ every RSS sample):
 * ``leaked_processes``: after the stop and a grace of ``--leak-grace`` seconds, processes still alive
   that the bench started or that descend from them: by the parent chain, by the session or process
   group a spawned process led (every peer starts in its own; its DHT child and p2pd inherit both, so
-  an orphan re-parented to init is still found), or p2pd/python processes whose command line
-  mentions the workdir; only processes started after the bench, never the bench or its ancestors
-  (:func:`bench.proc_table.find_leftovers`). ``leaked_sockets``: listening TCP sockets
+  an orphan re-parented to init is still found), as a descendant seen in an RSS sample (torch's
+  ``torch_shm_manager``, which a peer starts, leads a session of its own: after a crash neither the
+  chain nor the peer's session leads to it), or p2pd/python processes whose command line mentions
+  the workdir; only processes started after the bench, never the bench or its ancestors
+  (:func:`bench.proc_table.find_leftovers`). A descendant that lived less than ``--rss-period`` and
+  left its session may be missed. ``leaked_sockets``: listening TCP sockets
   (/proc/net/tcp and tcp6, state LISTEN) held open by those processes, matched by socket inode
   through /proc/<pid>/fd, counted once each. The bench then SIGKILLs each leftover by PID (checking
   its start time, so a reused PID is left alone); it signals nothing else.
@@ -121,6 +124,7 @@ class Monitor:
     def __init__(self, swarm, tracked: list[TrackedPeer], *, rss_period: float) -> None:
         self.swarm, self.tracked, self.rss_period = swarm, tracked, rss_period
         self.spawned: dict[int, Spawned] = {}
+        self.seen: dict[tuple[int, int], ProcStat] = {}  # every descendant sampled, by (PID, start time)
         self.samples: dict[str, list[RssSample]] = {}
         self.socket_files: dict[str, set[str]] = {}
         self.last_sample = -float("inf")
@@ -156,6 +160,7 @@ class Monitor:
             rss = read_rss_kib(pid)
             if rss is None:
                 continue
+            self.seen.setdefault((pid, table[pid].start_ticks), table[pid])
             kind = "peer" if pid == root else "p2pd" if table[pid].comm == "p2pd" else "children"
             by_kind[kind] += rss
             if kind == "p2pd":
@@ -241,7 +246,8 @@ def look_for_leftovers(monitor: Monitor, workdir: Path, *, since_ticks: int, gra
     roots = list(monitor.spawned.values())
     deadline = time.monotonic() + grace
     while True:
-        found = find_leftovers(roots, workdir=workdir, since_ticks=since_ticks, exclude=own)
+        found = find_leftovers(roots, seen=list(monitor.seen.values()), workdir=workdir, since_ticks=since_ticks,
+                               exclude=own)
         if not found or time.monotonic() >= deadline:
             break
         time.sleep(POLL_PERIOD)

@@ -139,6 +139,39 @@ def test_an_orphaned_grandchild_is_found_by_its_session_and_killed_by_pid():
             kill_pid(grandchild)
 
 
+SESSION_LEADER = """
+import os, signal, subprocess, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+grandchild = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(60)"])
+print(grandchild.pid, flush=True)
+while os.getsid(grandchild.pid) != grandchild.pid:  # until it left this session
+    time.sleep(0.01)
+print("ready", flush=True)
+signal.sigwait([signal.SIGUSR1])  # the test has sighted the grandchild
+os._exit(0)
+"""
+
+
+def test_a_grandchild_with_a_session_of_its_own_is_found_only_through_a_sighting():
+    """Like torch's torch_shm_manager: it calls setsid, so once its parent died nothing ties it to the root."""
+    since = read_stat(os.getpid()).start_ticks
+    with child(SESSION_LEADER, new_session=True) as (proc, lines):
+        grandchild = int(lines[0])
+        try:
+            root = spawned(proc.pid)
+            sighting = process_table()[grandchild]  # what a sample taken while the parent lived recorded
+            assert sighting.ppid == proc.pid and sighting.sid == grandchild
+            os.kill(proc.pid, signal.SIGUSR1)
+            proc.wait(10)
+            assert find_leftovers([root], since_ticks=since, exclude={os.getpid()}) == []
+            found = find_leftovers([root], seen=[sighting], since_ticks=since, exclude={os.getpid()})
+            assert [s.pid for s in found] == [grandchild] and found[0].ppid != proc.pid
+            stranger = dataclasses.replace(sighting, start_ticks=sighting.start_ticks - 1)  # the PID reused since
+            assert find_leftovers([root], seen=[stranger], since_ticks=since, exclude={os.getpid()}) == []
+        finally:
+            kill_pid(grandchild)
+
+
 def test_a_process_is_found_by_the_workdir_on_its_command_line(tmp_path):
     since = read_stat(os.getpid()).start_ticks
     workdir = tmp_path / "work"
