@@ -86,6 +86,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Collection
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -155,18 +156,45 @@ def supported_recovery_flag() -> bool:
 
 def run_mode(mode: str, trace: list[TraceEvent], args: argparse.Namespace, workdir: Path, *, has_recovery: bool) -> dict:
     """Runs one mode's swarm through the window; returns what happened (no metrics yet)."""
-    from peer.local_swarm import LocalSwarm, wait_for
+    from peer.local_swarm import LocalSwarm
 
-    peer_args = ["--num-threads", "1", "--rebalance-period", "0", "--status-period", str(STATUS_PERIOD)]
-    if has_recovery:
-        peer_args += ["--recovery", RECOVERY[mode]]
-    peer_args += args.peer_arg
     swarm = LocalSwarm(workdir / mode, run_id=f"churn-{mode.replace('_', '-')}")
+    try:
+        tracked, start_peer = start_swarm(swarm, args, peer_args(RECOVERY[mode] if has_recovery else None, args))
+        time.sleep(args.warmup)
+        window_start = time.time()
+        applied = run_trace(trace if mode != "no_churn" else [], tracked, start_peer, window_start=window_start)
+        watch_until(window_start + args.minutes * 60, tracked)
+        window_end = time.time()
+        drain_first_stage(tracked, args.drain_timeout)
+    except BaseException:
+        print(swarm.logs(), file=sys.stderr)
+        raise
+    finally:
+        swarm.shutdown(timeout=30)
+    note_drained(tracked)
+    return {"window": (window_start, window_end), "peers": tracked, "applied": applied}
+
+
+def peer_args(recovery: str | None, args: argparse.Namespace) -> list[str]:
+    """run_peer.py's arguments in a churn run: one torch thread, no rebalancing (the stage map changes
+    only through churn), a status line every second; ``recovery`` None: a peer without the flag."""
+    flags = ["--num-threads", "1", "--rebalance-period", "0", "--status-period", str(STATUS_PERIOD)]
+    if recovery is not None:
+        flags += ["--recovery", recovery]
+    return flags + list(args.peer_arg)
+
+
+def start_swarm(swarm, args: argparse.Namespace, flags: list[str]) -> tuple[list[TrackedPeer], Callable[[], TrackedPeer]]:
+    """Starts the bootstrap (``args.stages``, ``args.seed``) and ``args.peers`` peers with ``flags`` on
+    ``swarm`` (a :class:`peer.local_swarm.LocalSwarm`) and waits until every peer trains. Returns the
+    tracked peers (a list that grows with every later start) and the function that starts one more."""
+    from peer.local_swarm import wait_for
+
     tracked: list[TrackedPeer] = []
-    applied: list[dict] = []
 
     def start_peer() -> TrackedPeer:
-        peer = TrackedPeer(swarm.start_peer(*peer_args))
+        peer = TrackedPeer(swarm.start_peer(*flags))
         tracked.append(peer)
         return peer
 
@@ -177,33 +205,36 @@ def run_mode(mode: str, trace: list[TraceEvent], args: argparse.Namespace, workd
                 raise RuntimeError(f"{peer.name} exited while starting:\n{peer.proc.log_tail()}")
         return all(p.stage is not None for p in tracked)
 
-    try:
-        swarm.start_bootstrap("--num-stages", str(args.stages), "--seed", str(args.seed))
-        for _ in range(args.peers):
-            start_peer()
-        wait_for(all_training, args.start_timeout, "every peer to train", period=POLL_PERIOD)
-        time.sleep(args.warmup)
-        window_start = time.time()
-        for event in trace if mode != "no_churn" else []:
-            watch_until(window_start + event.at, tracked)
-            applied.append({"at": event.at, **apply_event(event, tracked, start_peer)})
-        watch_until(window_start + args.minutes * 60, tracked)
-        window_end = time.time()
-        drain_first_stage(tracked, args.drain_timeout)
-    except BaseException:
-        print(swarm.logs(), file=sys.stderr)
-        raise
-    finally:
-        swarm.shutdown(timeout=30)
+    swarm.start_bootstrap("--num-stages", str(args.stages), "--seed", str(args.seed))
+    for _ in range(args.peers):
+        start_peer()
+    wait_for(all_training, args.start_timeout, "every peer to train", period=POLL_PERIOD)
+    return tracked, start_peer
+
+
+def run_trace(trace: list[TraceEvent], tracked: list[TrackedPeer], start_peer: Callable[[], TrackedPeer], *,
+              window_start: float, exclude: Collection[str] = (), on_poll: Callable[[float], None] | None = None) -> list[dict]:
+    """Applies each event of ``trace`` at ``window_start + event.at``, watching the peers in between;
+    returns the applied events. ``exclude``: names of peers never chosen as victims; ``on_poll``: see
+    :func:`watch_until`."""
+    applied = []
+    for event in trace:
+        watch_until(window_start + event.at, tracked, on_poll=on_poll)
+        applied.append({"at": event.at, **apply_event(event, tracked, start_peer, exclude=exclude)})
+    return applied
+
+
+def note_drained(tracked: list[TrackedPeer]) -> None:
+    """Reads the last events and marks which leavers exited cleanly, once every peer has stopped."""
     for peer in tracked:
         peer.poll()
         if peer.left:  # killed for hanging (LEAVE_KILL_AFTER) is not a clean drain
             peer.drained = peer.proc.process.returncode == 0
-    return {"window": (window_start, window_end), "peers": tracked, "applied": applied}
 
 
-def watch_until(deadline: float, tracked: list[TrackedPeer]) -> None:
-    """Sleep until ``deadline``, reading events, killing leavers that hang, noting peers that die unasked."""
+def watch_until(deadline: float, tracked: list[TrackedPeer], *, on_poll: Callable[[float], None] | None = None) -> None:
+    """Sleep until ``deadline``, reading events, killing leavers that hang, noting peers that die unasked;
+    ``on_poll(now)`` runs after every poll (every ``POLL_PERIOD`` seconds)."""
     while (remaining := deadline - time.time()) > 0:
         time.sleep(min(POLL_PERIOD, remaining))
         now = time.time()
@@ -213,6 +244,8 @@ def watch_until(deadline: float, tracked: list[TrackedPeer]) -> None:
                 peer.gone_at, peer.crashed = now, True  # a crash it was not asked for: "died_unasked"
             elif peer.left and peer.proc.is_alive() and now - peer.gone_at > LEAVE_KILL_AFTER:
                 kill_group(peer)
+        if on_poll is not None:
+            on_poll(now)
 
 
 def kill_group(peer: TrackedPeer) -> None:
@@ -223,14 +256,17 @@ def kill_group(peer: TrackedPeer) -> None:
         pass
 
 
-def apply_event(event: TraceEvent, tracked: list[TrackedPeer], start_peer) -> dict:
+def apply_event(event: TraceEvent, tracked: list[TrackedPeer], start_peer: Callable[[], TrackedPeer], *,
+                exclude: Collection[str] = ()) -> dict:
+    """Applies one churn event; a crash or leave never hits a peer named in ``exclude``."""
     if event.kind == "rejoin":
         peer = start_peer()
         return {"t": time.time(), "kind": "rejoin", "peer": peer.name}
     training = [(p.name, p.stage) for p in tracked if p.is_training()]
-    name = choose_victim(event.pick, training)
+    name = choose_victim(event.pick, training, exclude=exclude)
     if name is None:
-        return {"t": time.time(), "kind": event.kind, "skipped": f"no stage has two training peers: {training}"}
+        outside = f" outside {sorted(exclude)}" if exclude else ""
+        return {"t": time.time(), "kind": event.kind, "skipped": f"no stage has two training peers{outside}: {training}"}
     peer = next(p for p in tracked if p.name == name)
     peer.gone_at = time.time()
     if event.kind == "crash":
@@ -242,8 +278,9 @@ def apply_event(event: TraceEvent, tracked: list[TrackedPeer], start_peer) -> di
     return {"t": peer.gone_at, "kind": event.kind, "peer": name, "stage": peer.stage}
 
 
-def drain_first_stage(tracked: list[TrackedPeer], timeout: float) -> None:
-    """SIGINT to the stage-0 peers still up; each drains its in-flight microbatches and exits."""
+def drain_first_stage(tracked: list[TrackedPeer], timeout: float) -> list[TrackedPeer]:
+    """SIGINT to the stage-0 peers still up; each drains its in-flight microbatches and exits. Returns
+    the peers signalled."""
     first = [p for p in tracked if p.gone_at is None and p.proc.is_alive() and p.stage == 0]
     for peer in first:
         peer.proc.process.send_signal(signal.SIGINT)
@@ -253,6 +290,7 @@ def drain_first_stage(tracked: list[TrackedPeer], timeout: float) -> None:
             peer.drained = peer.proc.process.wait(max(0.1, deadline - time.monotonic())) == 0
         except subprocess.TimeoutExpired:
             peer.drained = False
+    return first
 
 
 # ---- metrics ---------------------------------------------------------------------------------

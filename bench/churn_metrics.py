@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 KINDS = ("crash", "leave", "rejoin")
@@ -58,17 +58,18 @@ def make_trace(seed: int, *, duration: float, period: float, num_peers: int, min
     return trace
 
 
-def choose_victim(pick: float, training: Sequence[tuple[str, int]]) -> str | None:
+def choose_victim(pick: float, training: Sequence[tuple[str, int]], *, exclude: Collection[str] = ()) -> str | None:
     """The peer a crash or leave hits: among ``training`` (name, stage) pairs in start order, those whose
-    stage keeps at least one other training peer, ordered by stage, then start order; ``pick`` indexes
-    them. None if no peer qualifies. Ordering by stage first makes the same draw hit the same stage in
-    every mode whenever the modes' stage maps have the same shape (which process lands on which stage
-    is negotiated from FLOP/s measured at start, so it varies from run to run)."""
+    stage keeps at least one other training peer and that ``exclude`` does not name, ordered by stage,
+    then start order; ``pick`` indexes them. None if no peer qualifies. Ordering by stage first makes the
+    same draw hit the same stage in every mode whenever the modes' stage maps have the same shape (which
+    process lands on which stage is negotiated from FLOP/s measured at start, so it varies from run to
+    run). An excluded peer still counts as the other training peer of its stage."""
     per_stage = defaultdict(int)
     for _, stage in training:
         per_stage[stage] += 1
     eligible = [name for _, _, name in sorted((stage, i, name) for i, (name, stage) in enumerate(training)
-                                              if per_stage[stage] >= 2)]
+                                              if per_stage[stage] >= 2 and name not in exclude)]
     if not eligible:
         return None
     return eligible[min(int(pick * len(eligible)), len(eligible) - 1)]
