@@ -38,7 +38,7 @@ class NamespaceError(RuntimeError):
 def ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``ip``/``tc``-style commands; ``args[0]`` is the program. Raises NamespaceError on failure."""
     command = [*(("ip", "netns", "exec", netns) if netns else ()), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=20)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=20, check=False)
     if check and result.returncode != 0:
         raise NamespaceError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()}")
     return result
