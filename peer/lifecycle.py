@@ -85,6 +85,10 @@ PAUSE_FILE_PERIOD = 0.5
 DISAGREEMENT_PATIENCE = 60.0  # seconds a joiner retries holders that serve different states
 DISAGREEMENT_RETRY = 2.0
 RUMOUR_CHECK_TIMEOUT = 0.5  # seconds a peer waits for a ping answer before it believes a crash rumour
+# before a rescue, the stage's last holders are pinged this many times, each answer awaited this long:
+# generous, as the link to a live holder whose record went missing may be slow (1 Mbit/s in the e2e test)
+RESCUE_CHECK_ATTEMPTS = 2
+RESCUE_CHECK_TIMEOUT = 2.0
 
 
 class Peer:
@@ -431,7 +435,8 @@ class Peer:
         if config.backup_period > 0:
             self._tasks.append(asyncio.create_task(self.keeper.run(train_stop), name="backup"))
         watch = RescueWatch(self.view, spec, peer_id=self.peer_id, settle=config.heartbeat_ttl / 2)
-        rescue = asyncio.create_task(watch.wait_rescue(), name="rescue")
+        rescue = asyncio.create_task(watch.wait_verified_rescue(self._answers_ping, on_skipped=self._rescue_skipped),
+                                     name="rescue")
         self._tasks.append(rescue)
         await self._wait_stop(stop)
         train_stop.set()
@@ -484,6 +489,18 @@ class Peer:
         self.state = "syncing"
         await self._heartbeat_once()
         return await self._obtain_state()
+
+    async def _answers_ping(self, peer_id: str) -> bool:
+        """Does ``peer_id`` answer a ping? (asked of a stage's last holders before rescuing it)"""
+        for _ in range(RESCUE_CHECK_ATTEMPTS):
+            if self.detector is not None and await self.detector.check(peer_id, timeout=RESCUE_CHECK_TIMEOUT):
+                return True
+        return False
+
+    def _rescue_skipped(self, rescue: Rescue, answering: list[str]) -> None:
+        logger.info(f"stage {rescue.to_stage} looks unheld, but its holder {answering[0][-6:]} answers a ping: "
+                    "not rescuing it (its record is missing from this peer's view, not the peer)")
+        self.metrics.write("rescue_skipped", stage=rescue.to_stage, from_stage=rescue.from_stage, answering=answering)
 
     async def _rescue(self, rescue: Rescue) -> None:
         """Leave the current stage and take over ``rescue.to_stage``, which lost its last holder."""

@@ -22,6 +22,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
+def listen_maddr(host: str) -> str:
+    """Listen on ``host`` at a port the OS picks."""
+    return f"/ip4/{host}/tcp/0"
+
+
 @dataclass
 class LocalProcess:
     name: str
@@ -59,12 +64,18 @@ class LocalProcess:
 
 
 class LocalSwarm:
-    """Starts and stops a bootstrap node and peers as child processes, all logs under ``workdir``."""
+    """Starts and stops a bootstrap node and peers as child processes, all logs under ``workdir``.
 
-    def __init__(self, workdir: str | Path, *, run_id: str = "demo", python: str = sys.executable) -> None:
+    Every process listens on ``host`` (loopback by default); a test of network faults gives the
+    root-namespace end of a veth pair here, and starts a peer inside the namespace with
+    ``start_peer(..., host=<the namespace's address>, command_prefix=["ip", "netns", "exec", ...])``.
+    """
+
+    def __init__(self, workdir: str | Path, *, run_id: str = "demo", python: str = sys.executable,
+                 host: str = "127.0.0.1") -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.run_id, self.python = run_id, python
+        self.run_id, self.python, self.host = run_id, python, host
         self.bootstrap: LocalProcess | None = None
         self.peers: list[LocalProcess] = []
         self.maddrs: list[str] = []
@@ -73,7 +84,7 @@ class LocalSwarm:
         """Start run_bootstrap.py and wait until it wrote its multiaddrs; returns them."""
         maddrs_file = self.workdir / "bootstrap.maddrs"
         maddrs_file.unlink(missing_ok=True)
-        self.bootstrap = self._spawn("bootstrap", "run_bootstrap.py", "--host-maddrs", LOOPBACK,
+        self.bootstrap = self._spawn("bootstrap", "run_bootstrap.py", "--host-maddrs", listen_maddr(self.host),
                                      "--maddrs-file", str(maddrs_file), "--run-id", self.run_id, *args)
         wait_for(lambda: maddrs_file.exists() or not self.bootstrap.is_alive(), timeout, "the bootstrap to start")
         if not self.bootstrap.is_alive():
@@ -82,15 +93,17 @@ class LocalSwarm:
         return self.maddrs
 
     def start_peer(self, *args: str, bootstrap: Sequence[str] | None = None, run_id: str | None = None,
-                   env: Mapping[str, str] | None = None) -> LocalProcess:
-        """Start run_peer.py joined through the bootstrap (or the given multiaddrs); ``env`` adds to
-        this process's environment (e.g. the test-only fault injection of peer/faults.py)."""
+                   env: Mapping[str, str] | None = None, host: str | None = None,
+                   command_prefix: Sequence[str] = ()) -> LocalProcess:
+        """Start run_peer.py joined through the bootstrap (or the given multiaddrs), listening on
+        ``host`` (default: the swarm's), run under ``command_prefix`` (e.g. ``ip netns exec <ns>``);
+        ``env`` adds to this process's environment (e.g. the test-only fault injection of peer/faults.py)."""
         index = len(self.peers)
         metrics = self.workdir / f"peer{index}.jsonl"
         metrics.unlink(missing_ok=True)  # the peer appends; a previous run's events must not count
         peer = self._spawn(f"peer{index}", "run_peer.py", "--bootstrap", *(bootstrap or self.maddrs),
-                           "--run-id", run_id or self.run_id, "--host-maddrs", LOOPBACK,
-                           "--metrics-file", str(metrics), *args, env=env)
+                           "--run-id", run_id or self.run_id, "--host-maddrs", listen_maddr(host or self.host),
+                           "--metrics-file", str(metrics), *args, env=env, command_prefix=command_prefix)
         peer.metrics_path = metrics
         self.peers.append(peer)
         return peer
@@ -147,11 +160,12 @@ class LocalSwarm:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _spawn(self, name: str, script: str, *args: str, env: Mapping[str, str] | None = None) -> LocalProcess:
+    def _spawn(self, name: str, script: str, *args: str, env: Mapping[str, str] | None = None,
+               command_prefix: Sequence[str] = ()) -> LocalProcess:
         log_path = self.workdir / f"{name}.log"
         log_file = open(log_path, "w")
         env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen([self.python, str(REPO_ROOT / script), *args], stdout=log_file,
+        process = subprocess.Popen([*command_prefix, self.python, str(REPO_ROOT / script), *args], stdout=log_file,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
                                    start_new_session=True)
         return LocalProcess(name=name, process=process, log_path=log_path, log_file=log_file)

@@ -55,8 +55,7 @@ def test_the_only_peer_of_a_stage_is_killed_and_the_stage_comes_back_from_its_ba
     time.sleep(3)
     killed_at = time.time()
     os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT child and its p2pd, without warning
-    assert not victim.events("backup")
-    for other in (p for p in survivors if p is not keeper):  # a keeper for a moment, while the swarm formed
+    for other in (p for p in peers if p is not keeper):  # a keeper for a moment, while the swarm formed
         assert all(e["t"] < keeper.events("backup")[0]["t"] for e in other.events("backup"))
         assert bool(other.events("backup_dropped")) == bool(other.events("backup")), "dropped once not the keeper"
     backup = [e for e in keeper.events("backup") if e["t"] < killed_at][-1]

@@ -4,6 +4,8 @@ for the one named), and the backup digest matching what a stage reports once the
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from dht.records import PeerRecord, RunSpec
@@ -135,3 +137,55 @@ def test_the_backup_digest_is_the_digest_of_the_stage_that_loads_it():
         assert state_digest(state) != state_digest(Stage(SPEC, 1, device=torch.device("cpu")).state_tensors())
     finally:
         stage.shutdown()
+
+
+def test_the_watch_remembers_who_held_a_stage_it_now_sees_unheld():
+    records = [record("a", 0), record("b", 1, backup_stage=0), record("c", 1)]
+    watch = watches(records)["b"]
+    assert watch.check(0.0) is None and watch.last_holders(0) == ("a",)
+    watch.view.records = records[1:]  # a's record is gone from this view
+    assert watch.check(1.0) is None and watch.check(1.0 + SETTLE) is not None
+    assert watch.last_holders(0) == ("a",) and watch.last_holders(1) == ("b", "c")
+
+
+def test_a_rescue_waits_while_the_last_holder_still_answers_a_ping():
+    """A live holder whose record went missing (its heartbeats stuck on a slow link) is not replaced
+    from an older backup; once it stops answering, the rescue goes ahead."""
+    records = [record("a", 0), record("b", 1, backup_stage=0), record("c", 1)]
+    watch = watches(records)["b"]
+    watch.check(0.0)
+    watch.view.records = records[1:]
+    watch.check(-SETTLE - 1.0)  # first seen unheld long ago: the next check names the rescue at once
+    alive, pinged, skipped = {"a"}, [], []
+
+    async def is_answering(peer_id: str) -> bool:
+        pinged.append(peer_id)
+        return peer_id in alive
+
+    def on_skipped(rescue, answering: list[str]) -> None:
+        skipped.append((rescue.to_stage, answering))
+        watch._named.clear()  # as if the grace period were over: name it again at the next check
+        alive.clear()  # ... and by then the holder is really gone
+
+    rescue = asyncio.run(asyncio.wait_for(watch.wait_verified_rescue(is_answering, on_skipped=on_skipped), 10))
+    assert skipped == [(0, ["a"])] and pinged == ["a", "a"]
+    assert (rescue.peer_id, rescue.to_stage) == ("b", 0)
+
+
+def test_a_stage_never_seen_held_is_rescued_without_a_ping():
+    watch = watches([record("b", 1, backup_stage=0), record("c", 1)])["b"]
+    watch.check(-SETTLE - 1.0)
+
+    async def is_answering(peer_id: str) -> bool:
+        raise AssertionError("nobody to ping")
+
+    assert asyncio.run(asyncio.wait_for(watch.wait_verified_rescue(is_answering), 10)).to_stage == 0
+
+
+def test_a_holder_only_suspected_by_this_peer_is_not_rescued_until_its_record_is_gone():
+    records = [record("a", 0), record("b", 1, backup_stage=0), record("c", 1)]
+    watch = watches(records)["b"]
+    watch.view.mark_departed("a")  # b's detector suspects a (a slow link), a's record is fresh
+    assert watch.check(0.0) is None and watch.check(10 * SETTLE) is None
+    watch.view.records = records[1:]  # a's record expired: the DHT's verdict
+    assert watch.check(11 * SETTLE) is None and watch.check(12 * SETTLE).to_stage == 0
