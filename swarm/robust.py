@@ -82,11 +82,14 @@ class Aggregate:
         value: the aggregate, a float64 vector of the rows' length.
         refused: indices of rows refused for a non-finite value.
         outliers: indices of finite rows farther from ``value`` than the outlier radius (out-voted).
+        spreads: each row's distance from ``value`` in units of the median distance to the
+            coordinate-wise median (NaN for a refused row; 0 with fewer than three finite rows).
     """
 
     value: torch.Tensor
     refused: tuple[int, ...]
     outliers: tuple[int, ...]
+    spreads: tuple[float, ...] = ()
 
 
 def aggregate(rows: torch.Tensor, method: str, config: RobustConfig = RobustConfig()) -> Aggregate:
@@ -107,7 +110,7 @@ def aggregate(rows: torch.Tensor, method: str, config: RobustConfig = RobustConf
         raise ValueError("no finite row to aggregate")
     kept = rows[kept_index]
     if kept.shape[0] < MIN_ROBUST_ROWS:
-        return Aggregate(kept.mean(dim=0), refused, ())
+        return Aggregate(kept.mean(dim=0), refused, (), tuple(math.nan if i in refused else 0.0 for i in range(rows.shape[0])))
     center = coordinate_median(kept)
     spread = median_distance(kept, center)
     if method == "centered_clip":
@@ -119,7 +122,10 @@ def aggregate(rows: torch.Tensor, method: str, config: RobustConfig = RobustConf
     radius = config.outlier_scale * config.tau_scale * spread
     distances = torch.linalg.vector_norm(kept - value, dim=1)
     outliers = tuple(kept_index[i] for i in range(kept.shape[0]) if float(distances[i]) > radius)
-    return Aggregate(value, refused, outliers)
+    spreads = [math.nan] * rows.shape[0]
+    for position, row in enumerate(kept_index):
+        spreads[row] = float(distances[position]) / spread if spread > 0 else (0.0 if distances[position] == 0 else math.inf)
+    return Aggregate(value, refused, outliers, tuple(spreads))
 
 
 def coordinate_median(rows: torch.Tensor) -> torch.Tensor:

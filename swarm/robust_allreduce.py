@@ -57,6 +57,7 @@ class RobustPartReducer(TensorPartReducer):
         self.method, self.config, self.sender_ids, self.on_report = method, config, tuple(sender_ids), on_report
         self.num_refused = [0] * num_senders
         self.num_outvoted = [0] * num_senders
+        self.max_spreads = [0.0] * num_senders  # the farthest each sender was from a result, in median distances
         self._parts: dict[int, torch.Tensor] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -117,6 +118,9 @@ class RobustPartReducer(TensorPartReducer):
             self.num_refused[senders[row]] += 1
         for row in result.outliers:
             self.num_outvoted[senders[row]] += 1
+        for row, spread in enumerate(result.spreads):
+            if math.isfinite(spread):
+                self.max_spreads[senders[row]] = max(self.max_spreads[senders[row]], spread)
         # float32 rounding: every replica then reconstructs the result exactly (module docstring)
         rounded = result.value.to(torch.float32).to(torch.float64)
         return rounded.reshape(self.part_shapes[self.current_part_index])
@@ -127,6 +131,7 @@ class RobustPartReducer(TensorPartReducer):
                 "aggregation": self.method, "num_parts": self.num_parts,
                 "refused": {p: n for p, n in zip(self.sender_ids, self.num_refused) if n},
                 "outvoted": {p: n for p, n in zip(self.sender_ids, self.num_outvoted) if n},
+                "max_spread": {p: round(x, 2) for p, x in zip(self.sender_ids, self.max_spreads)},
             })
         super().finalize()
 

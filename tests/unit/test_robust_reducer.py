@@ -52,6 +52,7 @@ def test_every_sender_gets_the_same_float32_representable_result_and_nan_is_refu
     # the part with the NaN: the mean of the two finite copies
     expected = ((inputs[0][1] + inputs[1][1]) / 2).to(torch.float32).to(torch.float64)
     assert torch.equal(results[0][1], expected)
+    assert set(reports[0].pop("max_spread")) == set(SENDERS)
     assert reports == [{"aggregation": method, "num_parts": 2, "refused": {"peerC": 1}, "outvoted": {}}]
 
 
@@ -71,6 +72,8 @@ def test_an_x100_sender_is_out_voted_and_reported():
     for part, m in enumerate(mean):
         spread = float(torch.linalg.vector_norm(honest[0][part] - m))
         assert float(torch.linalg.vector_norm(results[0][part] - m)) < 1.6 * spread
+    spreads = reports[0].pop("max_spread")
+    assert spreads["peerC"] > 40 and spreads["peerA"] < 3 and spreads["peerB"] < 3, spreads
     assert reports == [{"aggregation": "centered_clip", "num_parts": 2, "refused": {}, "outvoted": {"peerC": 2}}]
 
 
