@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from dht.records import check_run_id
 
 RECOVERY_MODES = ("replay", "restart")  # see swarm/task_pool.py
+AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")  # swarm/robust.py's (not imported: it loads torch)
 
 DEFAULT_HOST_MADDR = "/ip4/0.0.0.0/tcp/0"
 
@@ -69,6 +70,7 @@ class PeerConfig:
     checkpoint_period: float = field(default=300.0, metadata=_help("seconds between checkpoints when --checkpoint-dir is given"))
     rebalance_period: float = field(default=60.0, metadata=_help("seconds between checks whether moving this peer to the bottleneck stage would speed the swarm up; a peer is not moved in its first two periods at a stage, nor with --stage (0: never move)"))
     rebalance_min_gain: float = field(default=0.2, metadata=_help("move only if the pipeline's bottleneck throughput rises by at least this fraction (0.2 = 20%%); FLOP/s measured on a busy machine are noisy"))
+    aggregation: str = field(default="centered_clip", metadata=_help("how the replicas of a stage combine their states in an averaging round: centered_clip (robust: a replica far from the others is clipped, so one Byzantine replica cannot derail the stage), trimmed_mean (robust: drops the extremes of every coordinate) or mean (the plain mean; only for a swarm whose peers you all trust). NaN/Inf contributions are refused in every mode; with two replicas every mode is the mean"))
     backup_period: float = field(default=30.0, metadata=_help("seconds between refreshes of the backup this peer keeps when it is the keeper of a stage held by a single peer (the lowest peer id of the next stage); the first copy is taken at once (0: keep no backups)"))
 
     def __post_init__(self) -> None:
@@ -104,6 +106,8 @@ class PeerConfig:
             raise ValueError(f"--spot-check-fraction must be between 0 and 1, got {self.spot_check_fraction}")
         if not (math.isfinite(self.spot_check_tolerance) and self.spot_check_tolerance >= 0):
             raise ValueError("--spot-check-tolerance must be a number >= 0")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         if self.recovery not in RECOVERY_MODES:
             raise ValueError(f"--recovery must be one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -68,6 +68,7 @@ from replication.transfer import PullResult, TransferError
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
 from swarm.failure_detector import FailureDetector
+from swarm.fault_injection import FaultInjection
 from swarm.membership import MembershipNotices, membership_handler
 from swarm.model import stage_flops_per_sample
 from swarm.router import Router
@@ -94,8 +95,9 @@ RESCUE_CHECK_TIMEOUT = 2.0
 class Peer:
     """One volunteer peer. ``await peer.run(stop)`` trains until ``stop`` is set, then leaves."""
 
-    def __init__(self, config: PeerConfig) -> None:
+    def __init__(self, config: PeerConfig, *, faults: FaultInjection | None = None) -> None:
         self.config = config
+        self.faults = faults  # tests only (run_peer.py --fault-inject): this peer misbehaves on purpose
         self.role = config.resolved_role
         self.metrics = MetricsLog(config.metrics_file)
         self.dht = self.validator = self.p2p = None
@@ -187,7 +189,7 @@ class Peer:
         self.metrics.write("joined", peer_id=self.peer_id, stage=stage_index, flops=self.flops,
                            snapshot=[r.to_wire(with_binding=False) for r in snapshot])
         self._check_memory(stage_index, device)
-        self.stage = Stage(self.spec, stage_index, device=device)
+        self.stage = self._new_stage(stage_index, device)
         self.state = "syncing"
         logger.info(f"chose stage {stage_index} of {self.spec.num_stages} (layers {list(self.spec.stage_layers[stage_index])})")
         await self._heartbeat_once()
@@ -196,6 +198,12 @@ class Peer:
         await self.status_protocol.start()
         self.keeper = BackupKeeper(self.p2p, self.view, self.spec, peer_id=self.peer_id, config=config, metrics=self.metrics)
         await self._obtain_state()
+
+    def _new_stage(self, stage_index: int, device: torch.device) -> Stage:
+        stage = Stage(self.spec, stage_index, device=device)
+        if self.faults is not None:
+            self.faults.attach(stage)
+        return stage
 
     def toggle_pause(self) -> None:
         """SIGUSR1: stop taking new work without leaving the swarm, or resume.
@@ -404,7 +412,7 @@ class Peer:
                                         on_link=self._on_link)
         self.view.on_change = self._on_view_change
         self.averager = StageAverager(stage, self.dht, self.view, client_mode=self.role == "unreliable" or config.client_mode,
-                                      on_round=self._on_round)
+                                      aggregation=config.aggregation, on_round=self._on_round, on_outliers=self._on_outliers)
         self.view.start()
         self.state = "training"
         self._stage_trained = True
@@ -485,7 +493,7 @@ class Peer:
         self.state = "leaving"
         await self._release_stage(announce=True)
         self.announced_at = dht_time()  # a newer record: peers that saw the leave notice see it again
-        self.stage, self._stage_trained = Stage(self.spec, to_stage, device=device), False
+        self.stage, self._stage_trained = self._new_stage(to_stage, device), False
         self.state = "syncing"
         await self._heartbeat_once()
         return await self._obtain_state()
@@ -710,3 +718,7 @@ class Peer:
     def _on_round(self, at: float, group_size: int, digest: str) -> None:
         self.averaged = (at, digest)
         self.metrics.write("averaged", stage=self.stage.index, at=at, group_size=group_size, digest=digest)
+
+    def _on_outliers(self, report: dict) -> None:
+        """A round's reduce refused (NaN/Inf) or out-voted parts of some replicas (swarm/robust_allreduce.py)."""
+        self.metrics.write("averaging_outliers", stage=self.stage.index, **report)

@@ -10,6 +10,10 @@ the average back. After a round every member of the group holds a bit-identical 
 joiners: every replica serves the same bytes under the same version (the round's time).
 Unreliable peers take part in client mode: they send and receive but host no part of the reduce.
 Averager keys are ``<run_id>_stage<k>``.
+
+Each reducer combines its part robustly (:mod:`swarm.robust_allreduce`, ``aggregation``): a replica
+sending NaN is refused, and by default (``centered_clip``) one replica far from the others is
+out-voted. The reducers' reports of refused and out-voted peers reach ``on_outliers``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hivemind
 import torch
 
 from dht.registry import dht_time
+from swarm.robust_allreduce import Report, RobustAverager
 from swarm.stage import Stage
 from swarm.view import SwarmView
 
@@ -43,13 +48,17 @@ class StageAverager:
         client_mode: bool,
         matchmaking_time: float = 2.0,
         allreduce_timeout: float = 15.0,
+        aggregation: str = "centered_clip",
         on_round: Callable[[float, int, str], None] = lambda at, size, digest: None,
+        on_outliers: Callable[[Report], None] = lambda report: None,
     ) -> None:
         self.stage, self.dht, self.view = stage, dht, view
         self.period = stage.spec.averaging_period
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
-        self.on_round = on_round
+        self.aggregation = aggregation
+        self.on_round, self.on_outliers = on_round, on_outliers
         self.num_rounds = self.num_failed_rounds = 0
+        self.num_refused_parts = self.num_outvoted_parts = 0  # parts this peer reduced, all rounds
         # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
         # parameters that sum is exact in float64, and every replica rounds the same float64 average.
@@ -62,10 +71,10 @@ class StageAverager:
         finally:
             signal.signal(signal.SIGINT, sigint_handler)
 
-    def _create_averager(self, params: list[torch.Tensor], client_mode: bool) -> hivemind.DecentralizedAverager:
+    def _create_averager(self, params: list[torch.Tensor], client_mode: bool) -> RobustAverager:
         stage, matchmaking_time = self.stage, self.matchmaking_time
-        return hivemind.DecentralizedAverager(
-            params, self.dht, start=True, prefix=f"{stage.spec.run_id}_stage{stage.index}",
+        return RobustAverager(
+            params, self.dht, aggregation=self.aggregation, start=True, prefix=f"{stage.spec.run_id}_stage{stage.index}",
             target_group_size=None, min_group_size=2, min_matchmaking_time=matchmaking_time,
             request_timeout=min(1.0, matchmaking_time / 2), allreduce_timeout=self.allreduce_timeout,
             client_mode=client_mode, allow_state_sharing=False,
@@ -85,6 +94,20 @@ class StageAverager:
             if len(self.view.members(self.stage.index)) < 2:
                 continue  # alone in the stage: nobody to average with this round
             await self.run_round(at, stop)
+            self.report_outliers()
+
+    def report_outliers(self) -> None:
+        """Pass on what the reducers refused or out-voted (a report may arrive a round late: it
+        crosses from the averager's process through a queue)."""
+        for report in self.averager.reports():
+            self.num_refused_parts += sum(report["refused"].values())
+            self.num_outvoted_parts += sum(report["outvoted"].values())
+            logger.warning(f"averaging ({report['aggregation']}) of stage {self.stage.index}: "
+                           + "; ".join([f"refused {n}/{report['num_parts']} parts of {peer_id} (NaN/Inf)"
+                                        for peer_id, n in report["refused"].items()]
+                                       + [f"out-voted {peer_id} in {n}/{report['num_parts']} parts"
+                                          for peer_id, n in report["outvoted"].items()]))
+            self.on_outliers(report)
 
     async def run_round(self, at: float, stop: asyncio.Event) -> bool:
         control = self.averager.step(scheduled_time=at, require_trigger=True, wait=False,

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmBoot"
 # fields whose valid values are a closed set, or which must be consistent with others
 SPECIAL = {"role": "unreliable", "device": "cpu", "log_level": "DEBUG", "run_id": "other-run",
-           "terminal_view": "on", "status_host": "0.0.0.0", "num_stages": 1, "recovery": "restart"}
+           "terminal_view": "on", "status_host": "0.0.0.0", "num_stages": 1, "recovery": "restart",
+           "aggregation": "mean"}
 
 
 def base_of(cls: type) -> dict[str, Any]:

@@ -1,0 +1,87 @@
+"""Robust in-stage averaging over real hivemind: one Byzantine replica of three is refused or out-voted."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+
+from dht.records import ModelSpec, RunSpec
+from dht.registry import dht_time
+from swarm.averaging import StageAverager
+from swarm.stage import Stage
+from swarm.view import SwarmView
+
+SPEC = RunSpec(run_id="robusttest", model=ModelSpec(d_model=32, num_layers=2, num_heads=2, seq_len=16),
+               stage_layers=((0, 1), (1, 2)), microbatch_size=4, target_batch_size=8, averaging_period=5.0)
+DRIFT = 0.01  # how far an honest replica moved from the common state since the last round
+
+
+def flat(stage: Stage) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in stage.model.parameters()])
+
+
+def drift(stage: Stage, seed: int, scale: float) -> None:
+    """Move every parameter by ``scale * DRIFT`` times standard normal noise (a few steps' worth)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in stage.model.parameters():
+            param.add_(scale * DRIFT * torch.randn(param.shape, generator=generator))
+
+
+def run_one_round(averagers: list[StageAverager]) -> list[bool]:
+    async def main():
+        at = dht_time() + 3.0
+        stop = asyncio.Event()
+        return await asyncio.gather(*(a.run_round(at, stop) for a in averagers))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+@pytest.mark.parametrize("fault", ["x100", "nan"])
+def test_one_byzantine_replica_of_three_cannot_derail_the_round(dht_nodes, fault):
+    stages = [Stage(SPEC, 1, device=torch.device("cpu")) for _ in range(3)]  # same seed: same initial state
+    drift(stages[0], seed=1, scale=1.0)
+    drift(stages[1], seed=2, scale=1.0)
+    if fault == "x100":
+        drift(stages[2], seed=3, scale=100.0)
+    else:
+        with torch.no_grad():
+            for param in stages[2].model.parameters():
+                param.fill_(math.nan)
+    honest = [flat(stages[0]), flat(stages[1])]
+    honest_mean = (honest[0] + honest[1]) / 2
+    spread = float(torch.linalg.vector_norm(honest[0] - honest_mean))
+    plain_mean_error = float(torch.linalg.vector_norm((honest[0] + honest[1] + flat(stages[2])) / 3 - honest_mean))
+    averagers = [StageAverager(stage, dht, SwarmView(dht, SPEC.run_id), client_mode=False, matchmaking_time=1.5)
+                 for stage, (dht, _) in zip(stages, dht_nodes[1:])]
+    byzantine_id = dht_nodes[3][0].peer_id.to_base58()
+    reports = []
+    for averager in averagers:
+        averager.on_outliers = reports.append
+    try:
+        assert run_one_round(averagers) == [True, True, True]
+        assert stages[0].params_digest() == stages[1].params_digest(), "honest replicas differ after the round"
+        result = flat(stages[0])
+        assert torch.isfinite(result).all()
+        error = float(torch.linalg.vector_norm(result - honest_mean))
+        if fault == "nan":  # refused: the two finite copies' mean, as if the NaN replica had sent nothing
+            torch.testing.assert_close(result, honest_mean, rtol=0, atol=1e-6)
+        else:  # out-voted: within the honest replicas' own spread, while the mean moved ~33 spreads
+            assert error < 1.6 * spread < plain_mean_error / 10, (error, spread, plain_mean_error)
+        deadline = time.monotonic() + 10  # a report crosses from the averager's process through a queue
+        while time.monotonic() < deadline and not reports:
+            for averager in averagers:
+                averager.report_outliers()
+            time.sleep(0.1)
+        key = "refused" if fault == "nan" else "outvoted"
+        assert reports and all(set(r[key]) == {byzantine_id} for r in reports), reports
+        other = "outvoted" if fault == "nan" else "refused"
+        assert not any(r[other] for r in reports), reports
+    finally:
+        for averager in averagers:
+            averager.shutdown()
