@@ -97,7 +97,7 @@ class Peer:
 
     def __init__(self, config: PeerConfig, *, faults: FaultInjection | None = None) -> None:
         self.config = config
-        self.faults = faults  # tests only (run_peer.py --fault-inject): this peer misbehaves on purpose
+        self.update_faults = faults  # tests only (run_peer.py --fault-inject): this peer misbehaves on purpose
         self.role = config.resolved_role
         self.metrics = MetricsLog(config.metrics_file)
         self.dht = self.validator = self.p2p = None
@@ -201,8 +201,8 @@ class Peer:
 
     def _new_stage(self, stage_index: int, device: torch.device) -> Stage:
         stage = Stage(self.spec, stage_index, device=device)
-        if self.faults is not None:
-            self.faults.attach(stage)
+        if self.update_faults is not None:
+            self.update_faults.attach(stage)
         return stage
 
     def toggle_pause(self) -> None:
