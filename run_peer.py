@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import sys
 
 from peer.cli import config_parser, load_config
@@ -17,19 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = config_parser(PeerConfig)
     parser.add_argument("--dry-run", action="store_true", help="join, measure, say which stage this peer would "
                         "take, whether it fits in memory and what it would add to the swarm's throughput, then leave")
-    parser.add_argument("--fault-inject", default=None, help=argparse.SUPPRESS)  # tests only: swarm/fault_injection.py
     try:
         config, args = load_config(parser, PeerConfig, argv)
-        faults = None
-        if args.fault_inject is not None:
-            from swarm.fault_injection import parse_fault_injection
-
-            faults = parse_fault_injection(args.fault_inject, os.environ)
     except ValueError as e:
         parser.error(str(e))
     from peer.lifecycle import Peer  # heavy imports after argument parsing: --help stays fast
 
-    peer = Peer(config, faults=faults)
+    peer = Peer(config)
     configure_logging(config.resolved_log_level, peer.log_prefix)
     if config.num_threads:
         import torch

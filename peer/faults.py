@@ -1,6 +1,6 @@
 """Test-only fault injection: make this peer misbehave on purpose, so tests can check it is caught.
 
-Not a user option, and not in ``--help``. A peer started with ``MURMURATION_INJECT_FAULTS`` (names
+Not a user option, and not in ``--help``. A peer started with ``MURMURATION_INJECT_FAULTS`` (faults
 separated by commas or spaces) misbehaves as named, and only if ``MURMURATION_ALLOW_FAULT_INJECTION=1``
 is set too; otherwise it refuses to start. Faults:
 
@@ -9,6 +9,11 @@ is set too; otherwise it refuses to start. Faults:
   digests, drop it, re-fetch its pieces from other donors and strike it.
 * ``wrong_outputs``: its stage's forwards return the outputs negated (swarm/stage.py): spot checks
   (swarm/spot_check.py) must catch it.
+* ``scale_updates=F``: every optimizer step moves the parameters ``F`` times as far as it should
+  (what ``F``-times gradients do under SGD; AdamW would normalise the gradients themselves away), so
+  the state it contributes to averaging drifts ``F`` times as far: robust averaging must out-vote it.
+* ``nan_updates``: every optimizer step leaves the parameters NaN, so the peer contributes NaN to
+  averaging and (on a stage before the last) sends NaN activations: both must be refused.
 
 Every fault is applied here, in one place, by replacing one override point of the object it breaks.
 """
@@ -16,6 +21,8 @@ Every fault is applied here, in one place, by replacing one override point of th
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -25,30 +32,45 @@ from peer.errors import UserError
 
 ALLOW_ENV = "MURMURATION_ALLOW_FAULT_INJECTION"
 FAULTS_ENV = "MURMURATION_INJECT_FAULTS"
-FAULTS = ("corrupt_shards", "wrong_outputs")
+FAULTS = ("corrupt_shards", "wrong_outputs", "scale_updates", "nan_updates")
+VALUED = ("scale_updates",)  # faults written name=value; the others take no value
+logger = logging.getLogger(__name__)
 
 
 def is_allowed(env: Mapping[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(ALLOW_ENV, "") == "1"
 
 
-def read_faults(env: Mapping[str, str] | None = None) -> frozenset[str]:
-    """The faults ``MURMURATION_INJECT_FAULTS`` asks for (none if unset).
+def read_faults(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The faults ``MURMURATION_INJECT_FAULTS`` asks for, name → value ("" for a fault without one).
 
     Raises:
-        UserError: faults asked for without ``MURMURATION_ALLOW_FAULT_INJECTION=1``, or unknown ones.
+        UserError: faults asked for without ``MURMURATION_ALLOW_FAULT_INJECTION=1``, unknown ones, or
+            a malformed value.
     """
     env = os.environ if env is None else env
-    names = frozenset(name for name in re.split(r"[,\s]+", env.get(FAULTS_ENV, "")) if name)
-    if not names:
-        return names
+    faults = dict(item.partition("=")[::2] for item in re.split(r"[,\s]+", env.get(FAULTS_ENV, "")) if item)
+    if not faults:
+        return faults
     if not is_allowed(env):
         raise UserError(f"{FAULTS_ENV} makes this peer misbehave on purpose and is for tests only; "
                         f"unset it (or set {ALLOW_ENV}=1 in a test).")
-    unknown = sorted(names - set(FAULTS))
+    unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         raise UserError(f"{FAULTS_ENV} names unknown faults {', '.join(unknown)}; known: {', '.join(FAULTS)}.")
-    return names
+    for name, value in faults.items():
+        if name not in VALUED and value:
+            raise UserError(f"{FAULTS_ENV}: {name} takes no value, got {name}={value}.")
+    if "scale_updates" in faults and not _positive(faults["scale_updates"]):
+        raise UserError(f"{FAULTS_ENV}: scale_updates needs a positive number, got {faults['scale_updates']!r}.")
+    return faults
+
+
+def _positive(text: str) -> bool:
+    try:
+        return math.isfinite(float(text)) and float(text) > 0
+    except ValueError:
+        return False
 
 
 def inject_wrong_outputs(stage: Any) -> None:
@@ -73,6 +95,31 @@ def inject_corrupt_shards(server: Any) -> None:
         return data
 
     server.load_shard = load_shard
+
+
+def inject_bad_updates(stage: Any, *, scale: float = 1.0, nan: bool = False) -> None:
+    """``stage``'s optimizer steps (a swarm.stage.Stage) move the parameters ``scale`` times as far
+    from now on, or leave them NaN."""
+    _require_allowed()
+    import torch  # here: run_peer.py reads its faults before it loads torch
+
+    params = list(stage.model.parameters())
+    before: list[torch.Tensor] = []
+
+    def save(optimizer: Any, args: Any, kwargs: Any) -> None:
+        before[:] = [p.detach().clone() for p in params]
+
+    def corrupt(optimizer: Any, args: Any, kwargs: Any) -> None:
+        with torch.no_grad():
+            for param, old in zip(params, before, strict=True):
+                if nan:
+                    param.fill_(math.nan)
+                else:
+                    param.copy_(old + scale * (param - old))
+
+    stage.optimizer.register_step_pre_hook(save)
+    stage.optimizer.register_step_post_hook(corrupt)
+    logger.warning(f"FAULT INJECTION (test only) on stage {stage.index}: updates x{scale}{', NaN' if nan else ''}")
 
 
 def _require_allowed() -> None:

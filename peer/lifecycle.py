@@ -42,7 +42,7 @@ from peer.checkpoint import (
 )
 from peer.config import PeerConfig
 from peer.errors import UserError
-from peer.faults import inject_corrupt_shards, inject_wrong_outputs, read_faults
+from peer.faults import inject_bad_updates, inject_corrupt_shards, inject_wrong_outputs, read_faults
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state, stage_state_bytes
 from peer.metrics import MetricsLog
 from peer.profiler import (
@@ -68,7 +68,6 @@ from replication.transfer import PullResult, TransferError
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
 from swarm.failure_detector import FailureDetector
-from swarm.fault_injection import FaultInjection
 from swarm.membership import MembershipNotices, membership_handler
 from swarm.model import stage_flops_per_sample
 from swarm.router import Router
@@ -95,9 +94,8 @@ RESCUE_CHECK_TIMEOUT = 2.0
 class Peer:
     """One volunteer peer. ``await peer.run(stop)`` trains until ``stop`` is set, then leaves."""
 
-    def __init__(self, config: PeerConfig, *, faults: FaultInjection | None = None) -> None:
+    def __init__(self, config: PeerConfig) -> None:
         self.config = config
-        self.update_faults = faults  # tests only (run_peer.py --fault-inject): this peer misbehaves on purpose
         self.role = config.resolved_role
         self.metrics = MetricsLog(config.metrics_file)
         self.dht = self.validator = self.p2p = None
@@ -117,7 +115,7 @@ class Peer:
             max_strikes=config.ban_strikes, ban_seconds=config.ban_seconds,
             on_ban=lambda peer_id, reason: self.metrics.write("banned", peer_id=peer_id, reason=reason))
         self.keeper: BackupKeeper | None = None  # the backup of another stage it may keep, across moves
-        self.faults: frozenset[str] = frozenset()  # test-only misbehaviour (peer/faults.py)
+        self.faults: dict[str, str] = {}  # test-only misbehaviour (peer/faults.py)
         self.peer_id = ""
         self.maddrs: tuple[str, ...] = ()
         self._corpus = b""
@@ -201,8 +199,8 @@ class Peer:
 
     def _new_stage(self, stage_index: int, device: torch.device) -> Stage:
         stage = Stage(self.spec, stage_index, device=device)
-        if self.update_faults is not None:
-            self.update_faults.attach(stage)
+        if "scale_updates" in self.faults or "nan_updates" in self.faults:
+            inject_bad_updates(stage, scale=float(self.faults.get("scale_updates") or 1), nan="nan_updates" in self.faults)
         return stage
 
     def toggle_pause(self) -> None:
@@ -412,7 +410,8 @@ class Peer:
                                         on_link=self._on_link)
         self.view.on_change = self._on_view_change
         self.averager = StageAverager(stage, self.dht, self.view, client_mode=self.role == "unreliable" or config.client_mode,
-                                      aggregation=config.aggregation, on_round=self._on_round, on_outliers=self._on_outliers)
+                                      aggregation=config.aggregation, on_round=self._on_round, on_outliers=self._on_outliers,
+                                      on_discard=self._on_discard)
         self.view.start()
         self.state = "training"
         self._stage_trained = True
@@ -718,6 +717,10 @@ class Peer:
     def _on_round(self, at: float, group_size: int, digest: str) -> None:
         self.averaged = (at, digest)
         self.metrics.write("averaged", stage=self.stage.index, at=at, group_size=group_size, digest=digest)
+
+    def _on_discard(self, at: float, group_size: int, num_members: int) -> None:
+        self.metrics.write("averaging_dropped", stage=self.stage.index, at=at, group_size=group_size,
+                           num_members=num_members)
 
     def _on_outliers(self, report: dict) -> None:
         """A round's reduce refused (NaN/Inf) or out-voted parts of some replicas (swarm/robust_allreduce.py)."""

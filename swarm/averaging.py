@@ -13,7 +13,10 @@ Averager keys are ``<run_id>_stage<k>``.
 
 Each reducer combines its part robustly (:mod:`swarm.robust_allreduce`, ``aggregation``): a replica
 sending NaN is refused, and by default (``centered_clip``) one replica far from the others is
-out-voted. The reducers' reports of refused and out-voted peers reach ``on_outliers``.
+out-voted. The reducers' reports of refused and out-voted peers reach ``on_outliers``. A pair cannot
+out-vote each other, so under a robust aggregation a round that formed with only two replicas while
+the stage has a third is dropped (:func:`keeps_round`), and a part that only two senders of a
+larger round delivered is the reducer's own copy (:mod:`swarm.robust_allreduce`).
 """
 
 from __future__ import annotations
@@ -28,12 +31,24 @@ import hivemind
 import torch
 
 from dht.registry import dht_time
+from swarm.robust import MIN_ROBUST_ROWS
 from swarm.robust_allreduce import Report, RobustAverager
 from swarm.stage import Stage
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 PREPARE_AHEAD = 1.0
+
+
+def keeps_round(aggregation: str, group_size: int, num_members: int) -> bool:
+    """Whether a round of ``group_size`` replicas, in a stage seen with ``num_members``, is kept.
+
+    Under a robust aggregation a pair cannot out-vote each other: every method gives the mean, so a
+    Byzantine replica that got into a pair would hand its partner half its state. A pair is kept
+    only when the stage has no third replica to wait for; otherwise its result is dropped and both
+    train on from their own states until a round of three or more.
+    """
+    return aggregation == "mean" or group_size >= MIN_ROBUST_ROWS or num_members < MIN_ROBUST_ROWS
 
 
 class StageAverager:
@@ -51,13 +66,14 @@ class StageAverager:
         aggregation: str = "centered_clip",
         on_round: Callable[[float, int, str], None] = lambda at, size, digest: None,
         on_outliers: Callable[[Report], None] = lambda report: None,
+        on_discard: Callable[[float, int, int], None] = lambda at, size, members: None,
     ) -> None:
         self.stage, self.dht, self.view = stage, dht, view
         self.period = stage.spec.averaging_period
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
         self.aggregation = aggregation
-        self.on_round, self.on_outliers = on_round, on_outliers
-        self.num_rounds = self.num_failed_rounds = 0
+        self.on_round, self.on_outliers, self.on_discard = on_round, on_outliers, on_discard
+        self.num_rounds = self.num_failed_rounds = self.num_discarded_rounds = 0
         self.num_refused_parts = self.num_outvoted_parts = 0  # parts this peer reduced, all rounds
         # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
@@ -91,9 +107,10 @@ class StageAverager:
             await _sleep_until(at - self.matchmaking_time - PREPARE_AHEAD, stop)
             if stop.is_set():
                 return
-            if len(self.view.members(self.stage.index)) < 2:
+            num_members = len(self.view.members(self.stage.index))
+            if num_members < 2:
                 continue  # alone in the stage: nobody to average with this round
-            await self.run_round(at, stop)
+            await self.run_round(at, stop, num_members=num_members)
             self.report_outliers()
 
     def report_outliers(self) -> None:
@@ -102,14 +119,17 @@ class StageAverager:
         for report in self.averager.reports():
             self.num_refused_parts += sum(report["refused"].values())
             self.num_outvoted_parts += sum(report["outvoted"].values())
+            short = report.get("short_parts", 0)
             logger.warning(f"averaging ({report['aggregation']}) of stage {self.stage.index}: "
                            + "; ".join([f"refused {n}/{report['num_parts']} parts of {peer_id} (NaN/Inf)"
                                         for peer_id, n in report["refused"].items()]
                                        + [f"out-voted {peer_id} in {n}/{report['num_parts']} parts"
-                                          for peer_id, n in report["outvoted"].items()]))
+                                          for peer_id, n in report["outvoted"].items()]
+                                       + [f"{short}/{report['num_parts']} parts had fewer than {MIN_ROBUST_ROWS} "
+                                          "copies (a sender dropped out): kept this reducer's own"] * bool(short)))
             self.on_outliers(report)
 
-    async def run_round(self, at: float, stop: asyncio.Event) -> bool:
+    async def run_round(self, at: float, stop: asyncio.Event, *, num_members: int = 2) -> bool:
         control = self.averager.step(scheduled_time=at, require_trigger=True, wait=False,
                                      timeout=self.matchmaking_time + PREPARE_AHEAD + 2.0, allow_retries=False)
         await _sleep_until(at, stop)
@@ -127,6 +147,12 @@ class StageAverager:
                 group = None
             if not group:
                 self.num_failed_rounds += 1
+                return False
+            if not keeps_round(self.aggregation, len(group), num_members):
+                self.num_discarded_rounds += 1
+                logger.info(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, a pair of "
+                            f"{num_members} replicas ({self.aggregation} cannot out-vote within a pair)")
+                self.on_discard(at, len(group), num_members)
                 return False
             digest = await self.stage.run(self._copy_out, at)
         self.num_rounds += 1

@@ -15,6 +15,14 @@ tensors then compute ``local + (result - local)`` exactly, as with hivemind's ow
 Sender weights are ignored: a peer's claimed weight is remote input, and a Byzantine one could claim
 a huge one. Each sender counts once. (Murmuration never sets weights.)
 
+A part left short: when a round began with three or more senders but fewer than three of them
+delivered a part (a sender timed out or failed), the two copies that remain cannot out-vote each
+other, and their mean would hand a Byzantine one half the say. (A copy that *arrived* with a NaN is
+different: that sender is the faulty one, and the finite copies left are averaged.) The reducer's own copy is then the
+result (each peer trusts its own state; a Byzantine reducer could send anything anyway), so every
+member still gets the same bytes; a reducer with no copy of its own (an aux peer) fails the part,
+and every sender keeps its own copy of it.
+
 What this does not defend against: a Byzantine *reducer*, which can send any result for the part it
 reduces. BTARD (Gorbunov et al. 2022) adds verification of reducers for that; docs/robust-averaging.md.
 
@@ -39,7 +47,7 @@ from hivemind.averaging.partition import AllreduceException, BannedException, Te
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from swarm.robust import AGGREGATIONS, RobustConfig, aggregate
+from swarm.robust import AGGREGATIONS, MIN_ROBUST_ROWS, RobustConfig, aggregate
 
 logger = logging.getLogger(__name__)
 Report = dict[str, Any]
@@ -50,11 +58,13 @@ class RobustPartReducer(TensorPartReducer):
 
     def __init__(
         self, part_shapes: Sequence[torch.Size], num_senders: int, *, method: str, sender_ids: Sequence[str],
-        on_report: Callable[[Report], None], config: RobustConfig = RobustConfig(),
+        on_report: Callable[[Report], None], config: RobustConfig = RobustConfig(), own_index: int | None = None,
     ) -> None:
         if method not in AGGREGATIONS:
             raise ValueError(f"unknown aggregation {method!r}")
         self.method, self.config, self.sender_ids, self.on_report = method, config, tuple(sender_ids), on_report
+        self.own_index = own_index  # this reducer's own row among the senders, if it sends too
+        self.num_short = 0  # parts of a round of 3+ senders that fewer than 3 delivered (module docstring)
         self.num_refused = [0] * num_senders
         self.num_outvoted = [0] * num_senders
         self.max_spreads = [0.0] * num_senders  # the farthest each sender was from a result, in median distances
@@ -113,7 +123,10 @@ class RobustPartReducer(TensorPartReducer):
 
     def _reduce(self) -> torch.Tensor:
         senders = sorted(self._parts)
-        result = aggregate(torch.stack([self._parts[i] for i in senders]), self.method, self.config)
+        rows = torch.stack([self._parts[i] for i in senders])
+        if self.method != "mean" and self.num_senders >= MIN_ROBUST_ROWS > len(senders):
+            return self._short_part(senders, torch.isfinite(rows).all(dim=1))
+        result = aggregate(rows, self.method, self.config)
         for row in result.refused:
             self.num_refused[senders[row]] += 1
         for row in result.outliers:
@@ -125,10 +138,21 @@ class RobustPartReducer(TensorPartReducer):
         rounded = result.value.to(torch.float32).to(torch.float64)
         return rounded.reshape(self.part_shapes[self.current_part_index])
 
+    def _short_part(self, senders: list[int], finite: torch.Tensor) -> torch.Tensor:
+        """A part of a robust round that fewer than three senders delivered: this reducer's own copy."""
+        self.num_short += 1
+        for row, ok in enumerate(finite.tolist()):
+            if not ok:
+                self.num_refused[senders[row]] += 1
+        if self.own_index not in self._parts or not bool(torch.isfinite(self._parts[self.own_index]).all()):
+            raise ValueError(f"only {len(senders)} of {self.num_senders} senders delivered, and this reducer has no "
+                             "finite copy of its own to keep")
+        return self._parts[self.own_index].to(torch.float32).to(torch.float64).reshape(self.part_shapes[self.current_part_index])
+
     def finalize(self) -> None:
-        if not self.finished.is_set() and (any(self.num_refused) or any(self.num_outvoted)):
+        if not self.finished.is_set() and (any(self.num_refused) or any(self.num_outvoted) or self.num_short):
             self.on_report({
-                "aggregation": self.method, "num_parts": self.num_parts,
+                "aggregation": self.method, "num_parts": self.num_parts, "short_parts": self.num_short,
                 "refused": {p: n for p, n in zip(self.sender_ids, self.num_refused) if n},
                 "outvoted": {p: n for p, n in zip(self.sender_ids, self.num_outvoted) if n},
                 "max_spread": {p: round(x, 2) for p, x in zip(self.sender_ids, self.max_spreads)},
@@ -146,6 +170,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids),
             method=aggregation, sender_ids=[str(p) for p in self.sender_peer_ids], on_report=on_report,
+            own_index=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
         )
 
 

@@ -2,7 +2,7 @@
 
 Two real swarms of run_peer.py processes, one after the other, with the same run spec and seed: a
 single stage held by three replicas that average every few seconds. In the second, one replica is
-Byzantine (``--fault-inject scale_updates=100``, test-only): each of its optimizer steps moves its
+Byzantine (``MURMURATION_INJECT_FAULTS=scale_updates=100``, test-only): each of its optimizer steps moves its
 parameters a hundred times too far, and that state is what it brings to every averaging round. A
 plain mean would hand every replica a third of it (docs/robust-averaging.md has the measurement).
 """
@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from peer.local_swarm import LocalSwarm, wait_for
-from swarm.fault_injection import ALLOW_ENV
+from peer.faults import ALLOW_ENV, FAULTS_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 BOOTSTRAP = ("--num-stages", "1", "--num-layers", "2", "--d-model", "64", "--num-heads", "2", "--seq-len", "32",
@@ -37,7 +37,7 @@ def train(swarm: LocalSwarm, *, byzantine: bool, min_microbatches: int = 0) -> t
     # with one honest replica (two copies cannot out-vote each other: every method is the mean)
     wait_for(lambda: all(p.events("status") for p in honest) or not all(p.is_alive() for p in honest),
              90, "the honest replicas to train")
-    third = swarm.start_peer(*PEER, *(("--fault-inject", "scale_updates=100") if byzantine else ()))
+    third = swarm.start_peer(*PEER, env={FAULTS_ENV: "scale_updates=100"} if byzantine else None)
     peers = honest + [third]
     wait_for(lambda: all(len(p.events("averaged")) >= NUM_ROUNDS and len(losses(p)) >= min_microbatches
                          for p in honest) or not all(p.is_alive() for p in peers),
@@ -69,7 +69,7 @@ def same_digest_after_every_common_round(peers) -> int:
 
 
 def test_a_byzantine_replica_is_out_voted_and_the_loss_stays_within_5_percent(local_swarm, tmp_path, monkeypatch):
-    monkeypatch.setenv(ALLOW_ENV, "1")  # inherited by the peers; only the one given --fault-inject misbehaves
+    monkeypatch.setenv(ALLOW_ENV, "1")  # inherited by the peers; only the one given the faults misbehaves
     clean_swarm = LocalSwarm(tmp_path / "clean")
     try:
         clean_peers, _ = train(clean_swarm, byzantine=False)
@@ -81,12 +81,16 @@ def test_a_byzantine_replica_is_out_voted_and_the_loss_stays_within_5_percent(lo
     honest, bad = train(local_swarm, byzantine=True, min_microbatches=end)
     clean_loss, byzantine_loss = window_loss(clean_peers, end), window_loss(honest, end)
     bad_id = bad.events("joined")[0]["peer_id"]
-    print(f"at microbatch {end}: clean {clean_loss:.4f}, with a Byzantine replica {byzantine_loss:.4f} "
-          f"({rounds_before(honest[0], end)} rounds with it), Byzantine replica's own "
-          f"{statistics.mean(losses(bad)[-WINDOW:]):.4f}")
+    summary = (f"at microbatch {end}: clean {clean_loss:.4f}, with a Byzantine replica {byzantine_loss:.4f} "
+               f"({rounds_before(honest[0], end)} rounds with it), Byzantine replica's own "
+               f"{statistics.mean(losses(bad)[-WINDOW:]):.4f}; group sizes of the honest rounds "
+               f"{[[e['group_size'] for e in p.events('averaged')] for p in honest]}, pairs dropped "
+               f"{[len(p.events('averaging_dropped')) for p in honest]}, parts left short "
+               f"{[sum(e.get('short_parts', 0) for e in p.events('averaging_outliers')) for p in honest]}")
+    print(summary)
     # the first rounds also settle the start (robust rounds clip a replica that trained alone longest)
-    assert rounds_before(honest[0], end - WINDOW) >= 3, "too few rounds with the Byzantine replica to tell"
-    assert abs(byzantine_loss - clean_loss) <= 0.05 * clean_loss, (clean_loss, byzantine_loss)
+    assert rounds_before(honest[0], end - WINDOW) >= 3, "too few rounds with the Byzantine replica to tell: " + summary
+    assert abs(byzantine_loss - clean_loss) <= 0.05 * clean_loss, summary
 
     # the honest reducers out-voted the Byzantine replica round after round, more than anyone else
     # (an honest replica is out-voted now and then too: the one that trained alone before the others
@@ -94,7 +98,7 @@ def test_a_byzantine_replica_is_out_voted_and_the_loss_stays_within_5_percent(lo
     reports = [e for p in honest for e in p.events("averaging_outliers")]
     print("out-voted parts by the honest reducers:", [e["outvoted"] for e in reports])
     print("clean run:", [e["outvoted"] for p in clean_peers for e in p.events("averaging_outliers")])
-    assert sum(bad_id in e["outvoted"] for e in reports) >= NUM_ROUNDS - 3, reports
+    assert sum(bad_id in e["outvoted"] for e in reports) >= NUM_ROUNDS - 3, (summary, reports)
     parts = {peer_id: sum(e["outvoted"].get(peer_id, 0) for e in reports)
              for peer_id in [bad_id, *(p.events("joined")[0]["peer_id"] for p in honest)]}
     assert parts[bad_id] == max(parts.values()), parts

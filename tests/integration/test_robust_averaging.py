@@ -85,3 +85,32 @@ def test_one_byzantine_replica_of_three_cannot_derail_the_round(dht_nodes, fault
     finally:
         for averager in averagers:
             averager.shutdown()
+
+
+@pytest.mark.parametrize("dht_nodes", [3], indirect=True)
+def test_a_pair_in_a_stage_of_three_drops_its_round_and_keeps_its_own_state(dht_nodes):
+    # two copies cannot out-vote each other: a Byzantine replica in a pair would get half the say
+    stages = [Stage(SPEC, 1, device=torch.device("cpu")) for _ in range(2)]
+    for seed, stage in enumerate(stages):
+        drift(stage, seed=seed, scale=1.0)
+    before = [flat(stage).clone() for stage in stages]
+    averagers = [StageAverager(stage, dht, SwarmView(dht, SPEC.run_id), client_mode=False, matchmaking_time=1.5)
+                 for stage, (dht, _) in zip(stages, dht_nodes[1:])]
+    dropped = []
+    for averager in averagers:
+        averager.on_discard = lambda at, size, members: dropped.append((size, members))
+    try:
+        async def one_round(num_members: int) -> list[bool]:
+            at, stop = dht_time() + 3.0, asyncio.Event()
+            return await asyncio.gather(*(a.run_round(at, stop, num_members=num_members) for a in averagers))
+
+        assert asyncio.run(one_round(num_members=3)) == [False, False]  # a third replica exists: dropped
+        assert dropped == [(2, 3), (2, 3)]
+        assert all(torch.equal(flat(stage), b) for stage, b in zip(stages, before)), "a dropped round changed a state"
+        assert [a.num_discarded_rounds for a in averagers] == [1, 1]
+        assert asyncio.run(one_round(num_members=2)) == [True, True]  # the stage has only these two: the mean
+        assert stages[0].params_digest() == stages[1].params_digest()
+        torch.testing.assert_close(flat(stages[0]), (before[0] + before[1]) / 2, rtol=0, atol=1e-6)
+    finally:
+        for averager in averagers:
+            averager.shutdown()

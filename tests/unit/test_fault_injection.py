@@ -12,7 +12,8 @@ import torch
 from dht.records import ModelSpec, RunSpec
 from peer.config import AGGREGATIONS as CONFIG_AGGREGATIONS
 from peer.config import PeerConfig
-from swarm.fault_injection import ALLOW_ENV, FaultInjection, parse_fault_injection
+from peer.errors import UserError
+from peer.faults import ALLOW_ENV, FAULTS_ENV, inject_bad_updates, read_faults
 from swarm.robust import AGGREGATIONS
 from swarm.stage import Stage
 
@@ -23,15 +24,15 @@ SPEC = RunSpec(run_id="faults", model=ModelSpec(d_model=16, num_layers=1, num_he
 
 
 def test_parse_needs_the_environment_and_a_known_fault():
-    with pytest.raises(ValueError, match=ALLOW_ENV):
-        parse_fault_injection("scale_updates=100", {})
-    with pytest.raises(ValueError, match=ALLOW_ENV):
-        parse_fault_injection("scale_updates=100", {ALLOW_ENV: "yes"})
-    assert parse_fault_injection("scale_updates=100", ALLOWED) == FaultInjection(scale_updates=100.0)
-    assert parse_fault_injection("nan_updates, scale_updates=2", ALLOWED) == FaultInjection(scale_updates=2.0, nan_updates=True)
-    for bad in ("", "scale_updates", "scale_updates=x", "scale_updates=-1", "scale_updates=nan", "nan_updates=1", "drop_all"):
-        with pytest.raises(ValueError, match="--fault-inject"):
-            parse_fault_injection(bad, ALLOWED)
+    with pytest.raises(UserError, match=ALLOW_ENV):
+        read_faults({FAULTS_ENV: "scale_updates=100"})
+    with pytest.raises(UserError, match=ALLOW_ENV):
+        read_faults({FAULTS_ENV: "scale_updates=100", ALLOW_ENV: "yes"})
+    assert read_faults({FAULTS_ENV: "scale_updates=100", **ALLOWED}) == {"scale_updates": "100"}
+    assert read_faults({FAULTS_ENV: "nan_updates, scale_updates=2", **ALLOWED}) == {"nan_updates": "", "scale_updates": "2"}
+    for bad in ("scale_updates", "scale_updates=x", "scale_updates=-1", "scale_updates=nan", "nan_updates=1", "drop_all"):
+        with pytest.raises(UserError, match=FAULTS_ENV):
+            read_faults({FAULTS_ENV: bad, **ALLOWED})
 
 
 def run_peer(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -40,19 +41,19 @@ def run_peer(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def test_run_peer_refuses_fault_injection_without_the_environment_and_hides_it_from_help():
-    result = run_peer("--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--fault-inject", "scale_updates=100",
-                      env={"PATH": "/usr/bin:/bin"})
-    assert result.returncode == 2 and ALLOW_ENV in result.stderr, result.stderr
+    result = run_peer("--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/QmX",
+                      env={"PATH": "/usr/bin:/bin", FAULTS_ENV: "scale_updates=100"})
+    assert result.returncode == 2 and ALLOW_ENV in result.stdout + result.stderr, result.stdout + result.stderr
     help_text = run_peer("--help").stdout
     assert "--aggregation" in help_text and "centered_clip" in help_text
     assert "--fault" not in help_text and "inject" not in help_text.lower()
 
 
-def stepped(faults: FaultInjection | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Parameters before and after one optimizer step of a fresh stage, with ``faults`` attached."""
+def stepped(**faults) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Parameters before and after one optimizer step of a fresh stage, with ``faults`` injected."""
     stage = Stage(SPEC, 0, device=torch.device("cpu"))
-    if faults is not None:
-        faults.attach(stage)
+    if faults:
+        inject_bad_updates(stage, **faults)
     before = [p.detach().clone() for p in stage.model.parameters()]
     for index, param in enumerate(stage.model.parameters()):
         param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(index))
@@ -61,12 +62,16 @@ def stepped(faults: FaultInjection | None) -> tuple[list[torch.Tensor], list[tor
     return before, [p.detach().clone() for p in stage.model.parameters()]
 
 
-def test_scale_updates_multiplies_each_step_and_nan_updates_poisons_it():
-    before, honest = stepped(None)
-    _, scaled = stepped(FaultInjection(scale_updates=100.0))
+def test_scale_updates_multiplies_each_step_and_nan_updates_poisons_it(monkeypatch):
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    with pytest.raises(UserError, match=ALLOW_ENV):
+        stepped(scale=100.0)
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    before, honest = stepped()
+    _, scaled = stepped(scale=100.0)
     for old, new, bad in zip(before, honest, scaled):
         torch.testing.assert_close(bad - old, 100 * (new - old), rtol=1e-4, atol=1e-6)
-    _, poisoned = stepped(FaultInjection(nan_updates=True))
+    _, poisoned = stepped(nan=True)
     assert all(torch.isnan(p).all() for p in poisoned)
 
 
