@@ -38,6 +38,7 @@ from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 PREPARE_AHEAD = 1.0
+ACTIVE_ROUNDS = 3  # a replica that averaged within this many periods counts towards keeps_round's stage size
 
 
 def keeps_round(aggregation: str, group_size: int, num_members: int) -> bool:
@@ -46,9 +47,15 @@ def keeps_round(aggregation: str, group_size: int, num_members: int) -> bool:
     Under a robust aggregation a pair cannot out-vote each other: every method gives the mean, so a
     Byzantine replica that got into a pair would hand its partner half its state. A pair is kept
     only when the stage has no third replica to wait for; otherwise its result is dropped and both
-    train on from their own states until a round of three or more.
+    train on from their own states until a round of three or more. ``num_members`` counts the
+    replicas that averaged lately (:meth:`StageAverager.active_members`), not every announcement.
     """
     return aggregation == "mean" or group_size >= MIN_ROBUST_ROWS or num_members < MIN_ROBUST_ROWS
+
+
+def count_active(last_seen: dict[str, float], in_view: set[str], own_id: str, *, since: float) -> int:
+    """Peers of ``in_view`` last seen in a round at ``since`` or later, plus this peer."""
+    return len({p for p, seen in last_seen.items() if seen >= since and p in in_view} | {own_id})
 
 
 class StageAverager:
@@ -74,6 +81,8 @@ class StageAverager:
         self.aggregation = aggregation
         self.on_round, self.on_outliers, self.on_discard = on_round, on_outliers, on_discard
         self.num_rounds = self.num_failed_rounds = self.num_discarded_rounds = 0
+        self.peer_id = dht.peer_id.to_base58()
+        self.last_seen: dict[str, float] = {}  # peer id -> the last round (time) it was in a group with this peer
         self.num_refused_parts = self.num_outvoted_parts = 0  # parts this peer reduced, all rounds
         # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
@@ -107,11 +116,17 @@ class StageAverager:
             await _sleep_until(at - self.matchmaking_time - PREPARE_AHEAD, stop)
             if stop.is_set():
                 return
-            num_members = len(self.view.members(self.stage.index))
-            if num_members < 2:
+            if len(self.view.members(self.stage.index)) < 2:
                 continue  # alone in the stage: nobody to average with this round
-            await self.run_round(at, stop, num_members=num_members)
+            await self.run_round(at, stop, num_members=self.active_members(at))
             self.report_outliers()
+
+    def active_members(self, now: float) -> int:
+        """Replicas of this stage that averaged with this peer in the last ``ACTIVE_ROUNDS`` periods
+        and are still in the view, this peer included. A peer that only announces itself in the stage
+        and never averages is not counted, so it cannot make the others drop every pair round."""
+        in_view = {r.peer_id for r in self.view.members(self.stage.index)}
+        return count_active(self.last_seen, in_view, self.peer_id, since=now - ACTIVE_ROUNDS * self.period)
 
     def report_outliers(self) -> None:
         """Pass on what the reducers refused or out-voted (a report may arrive a round late: it
@@ -148,6 +163,8 @@ class StageAverager:
             if not group:
                 self.num_failed_rounds += 1
                 return False
+            for peer_id in group:
+                self.last_seen[str(peer_id)] = at
             if not keeps_round(self.aggregation, len(group), num_members):
                 self.num_discarded_rounds += 1
                 logger.info(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, a pair of "
