@@ -206,6 +206,18 @@ class RobustAverager(DecentralizedAverager):
         logger.debug(f"robust averaging report: {report}")
         self._reports.put(report)
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind 1.1.12's ``_shutdown`` calls ``finalize`` on ``_running_groups``' values, which are
+        futures of runners: whenever a round ran at shutdown, its thread died on an AttributeError
+        (a traceback in every such peer's log). Here the runner is finalized, or its future cancelled."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in list(self._running_groups.values()):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+            else:
+                future.cancel()
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs) -> None:
         """hivemind 1.1.12's method with :class:`RobustAllReduceRunner` in place of ``AllReduceRunner``."""
         group_id = group_info.group_id if group_id is None else group_id

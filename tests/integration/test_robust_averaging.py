@@ -114,3 +114,28 @@ def test_a_pair_in_a_stage_of_three_drops_its_round_and_keeps_its_own_state(dht_
     finally:
         for averager in averagers:
             averager.shutdown()
+
+
+@pytest.mark.parametrize("dht_nodes", [1], indirect=True)
+def test_shutdown_during_a_round_finalizes_its_runner_and_cancels_a_pending_one(dht_nodes):
+    # hivemind 1.1.12's own _shutdown raised AttributeError here (it called finalize on the futures)
+    from swarm.robust_allreduce import RobustAverager
+
+    class Runner:
+        cancelled = False
+
+        def finalize(self, *, cancel: bool = False) -> None:
+            self.cancelled = cancel
+
+    averager = RobustAverager([torch.zeros(4)], dht_nodes[0][0], aggregation="centered_clip", start=False,
+                              prefix="shutdowntest", target_group_size=None, min_group_size=2, client_mode=True)
+
+    async def main():
+        runner, running, pending = Runner(), asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
+        running.set_result(runner)
+        averager._running_groups.update({b"running": running, b"pending": pending})
+        await averager._shutdown(timeout=1.0)
+        return runner, pending
+
+    runner, pending = asyncio.run(main())
+    assert runner.cancelled and pending.cancelled()
