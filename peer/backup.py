@@ -56,6 +56,7 @@ HOLDER_STATES = ("training", "paused")  # peers that hold a stage's live state
 MEMBER_STATES = ("training", "paused", "syncing")  # ... or are about to
 CHECK_PERIOD = 1.0  # seconds between looks at the view (cheap: no I/O)
 RESCUE_GRACE = 60.0  # seconds the named rescuer has to leave its stage and show up on the lost one
+MIN_COMPLETE_READS = 3  # view refreshes in a row that beat the DHT timeout before an absence counts
 # A refresh waits at least this many times as long as the last pull took, so that backups use at
 # most 1 / (1 + BACKOFF_FACTOR) = 20 % of the holder's upload however large the stage or slow the link.
 BACKOFF_FACTOR = 4.0
@@ -274,6 +275,12 @@ class RescueWatch:
             if stage in held:
                 self._unheld_since.pop(stage, None)
                 self._named.pop(stage, None)
+            elif self.view.complete_reads < MIN_COMPLETE_READS:
+                # the view's recent reads waited out DHT timeouts: this peer's own link may be the slow
+                # or cut one, and a record it could not read is no evidence; the settle time restarts
+                # once reads complete again (a peer on a 1 Mbit/s link restored stage 0 from an old
+                # backup while stage 0's holder trained on: tests/e2e/test_network_faults.py in CI)
+                self._unheld_since[stage] = now
             else:
                 self._unheld_since.setdefault(stage, now)
         if any(r.state == "joining" for r in self.view.records):

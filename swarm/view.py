@@ -24,6 +24,7 @@ from planner.claims import cap_to_median
 RATE_STATES = ("training", "paused")  # peers whose samples/s is a measurement of their stage
 
 logger = logging.getLogger(__name__)
+SLOW_READ = 4.0  # seconds; a DHT request waits up to 5 s for a silent node (dht/node.py wait_timeout)
 
 
 class SwarmView:
@@ -39,12 +40,21 @@ class SwarmView:
         self.on_change = on_change  # "scale_out" / "scale_in" of a training peer, seen by a refresh
         self.records: list[PeerRecord] = []
         self.updated_at = 0.0
+        # refreshes in a row that finished before SLOW_READ: a read that waited out a DHT timeout may
+        # have missed records that exist (a peer on a slow or cut link), so its absences prove nothing
+        self.complete_reads = 0
         self._departed: dict[str, float] = {}  # peer id -> announce time of the record that departed
         self._task: asyncio.Task | None = None
 
     async def refresh(self) -> list[PeerRecord]:
         before = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
-        self.records = bound_claims(await fetch_peers(self.dht, self.run_id))
+        started = time.monotonic()
+        try:
+            self.records = bound_claims(await fetch_peers(self.dht, self.run_id))
+        except BaseException:
+            self.complete_reads = 0
+            raise
+        self.complete_reads = self.complete_reads + 1 if time.monotonic() - started < SLOW_READ else 0
         after = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
         for key in after.keys() - before.keys():
             self.on_change("scale_out", after[key])

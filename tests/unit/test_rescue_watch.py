@@ -10,6 +10,7 @@ import torch
 
 from dht.records import PeerRecord, RunSpec
 from peer.backup import (
+    MIN_COMPLETE_READS,
     RESCUE_GRACE,
     BackupKeeper,
     RescueWatch,
@@ -79,9 +80,9 @@ def test_the_copy_is_kept_while_its_stage_is_unheld_and_dropped_once_someone_els
     assert k.due(3.0) is None and k.backup is None  # two holders: no backup needed
 
 
-def watches(records: list[PeerRecord]) -> dict[str, RescueWatch]:
+def watches(records: list[PeerRecord], *, complete_reads: int = MIN_COMPLETE_READS) -> dict[str, RescueWatch]:
     view = SwarmView(None, "run")
-    view.records = records
+    view.records, view.complete_reads = records, complete_reads
     return {r.peer_id: RescueWatch(view, SPEC, peer_id=r.peer_id, settle=SETTLE) for r in records}
 
 
@@ -103,6 +104,16 @@ def test_a_stage_held_again_resets_the_clock():
     assert watch.check(SETTLE) is None
     watch.view.records = records  # it vanished again
     assert watch.check(2 * SETTLE) is None and watch.check(3 * SETTLE) is not None
+
+
+def test_an_absence_counts_only_in_reads_that_beat_the_dht_timeout():
+    # a peer whose own link is slow reads partial records: it must not restore a stage that is held
+    records = [record("b", 1, backup_stage=0, backup_version=9), record("c", 1)]
+    watch = watches(records, complete_reads=0)["b"]
+    assert watch.check(0.0) is None and watch.check(10 * SETTLE) is None  # stage 0 "unheld" all along
+    watch.view.complete_reads = MIN_COMPLETE_READS  # reads complete again: the settle time starts now
+    assert watch.check(10 * SETTLE + SETTLE - 0.1) is None
+    assert watch.check(10 * SETTLE + SETTLE - 0.1 + SETTLE) is not None
 
 
 def test_nobody_moves_while_a_joiner_is_choosing():
