@@ -12,7 +12,10 @@ of a ``[num_senders, part_size]`` float64 matrix and combines them with :func:`a
   distributed training at scale", BTARD). From the coordinate-wise median ``v``, iterate
   ``v <- v + (1/n) sum_i clip_tau(x_i - v)`` with ``clip_tau(z) = z min(1, tau / |z|)``. A row costs
   the result at most ``tau / n`` per iteration however far away it is; rows within ``tau`` of the
-  result count fully, so when nobody is far out the fixed point is the mean.
+  result count fully, so when nobody is far out the fixed point is the mean. A clipped row still
+  moves the fixed point (by about ``tau / 2`` with three rows, the same way every round), so rows
+  out-voted (farther than the outlier radius) are then dropped, and the rest, a majority, are
+  combined again without them.
 - ``trimmed_mean``: per coordinate, drop the ``f`` largest and ``f`` smallest values and average the
   rest (Yin et al., ICML 2018). With three replicas this is the coordinate-wise median.
 
@@ -113,15 +116,23 @@ def aggregate(rows: torch.Tensor, method: str, config: RobustConfig = RobustConf
         return Aggregate(kept.mean(dim=0), refused, (), tuple(math.nan if i in refused else 0.0 for i in range(rows.shape[0])))
     center = coordinate_median(kept)
     spread = median_distance(kept, center)
+    tau = config.tau_scale * spread
     if method == "centered_clip":
-        value = centered_clip(kept, start=center, tau=config.tau_scale * spread, num_iters=config.num_iters)
+        value = centered_clip(kept, start=center, tau=tau, num_iters=config.num_iters)
     elif method == "trimmed_mean":
         value = trimmed_mean(kept, num_trimmed=num_trimmed(kept.shape[0], config.trim_fraction))
     else:
         value = kept.mean(dim=0)
-    radius = config.outlier_scale * config.tau_scale * spread
+    radius = config.outlier_scale * tau
     distances = torch.linalg.vector_norm(kept - value, dim=1)
-    outliers = tuple(kept_index[i] for i in range(kept.shape[0]) if float(distances[i]) > radius)
+    far = distances > radius
+    if method == "centered_clip" and bool(far.any()) and int((~far).sum()) * 2 > kept.shape[0]:
+        # a clipped row still pulls the result by up to tau / 2 (with three rows), round after round;
+        # once it is out-voted, a majority of the rows is combined without it
+        inliers = kept[~far]
+        value = centered_clip(inliers, start=coordinate_median(inliers), tau=tau, num_iters=config.num_iters)
+        distances = torch.linalg.vector_norm(kept - value, dim=1)
+    outliers = tuple(kept_index[i] for i in range(kept.shape[0]) if bool(far[i]))
     spreads = [math.nan] * rows.shape[0]
     for position, row in enumerate(kept_index):
         spreads[row] = float(distances[position]) / spread if spread > 0 else (0.0 if distances[position] == 0 else math.inf)
