@@ -200,7 +200,8 @@ class Peer:
     def _new_stage(self, stage_index: int, device: torch.device) -> Stage:
         stage = Stage(self.spec, stage_index, device=device)
         if "scale_updates" in self.faults or "nan_updates" in self.faults:
-            inject_bad_updates(stage, scale=float(self.faults.get("scale_updates") or 1), nan="nan_updates" in self.faults)
+            scale = float(self.faults.get("scale_updates") or 1)
+            inject_bad_updates(stage, scale=scale, nan="nan_updates" in self.faults)
         return stage
 
     def toggle_pause(self) -> None:

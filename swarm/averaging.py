@@ -134,14 +134,13 @@ class StageAverager:
         for report in self.averager.reports():
             self.num_refused_parts += sum(report["refused"].values())
             self.num_outvoted_parts += sum(report["outvoted"].values())
-            short = report.get("short_parts", 0)
-            logger.warning(f"averaging ({report['aggregation']}) of stage {self.stage.index}: "
-                           + "; ".join([f"refused {n}/{report['num_parts']} parts of {peer_id} (NaN/Inf)"
-                                        for peer_id, n in report["refused"].items()]
-                                       + [f"out-voted {peer_id} in {n}/{report['num_parts']} parts"
-                                          for peer_id, n in report["outvoted"].items()]
-                                       + [f"{short}/{report['num_parts']} parts had fewer than {MIN_ROBUST_ROWS} "
-                                          "copies (a sender dropped out): kept this reducer's own"] * bool(short)))
+            num_parts = report["num_parts"]
+            findings = [f"refused {n}/{num_parts} parts of {peer_id} (NaN/Inf)" for peer_id, n in report["refused"].items()]
+            findings += [f"out-voted {peer_id} in {n}/{num_parts} parts" for peer_id, n in report["outvoted"].items()]
+            if report.get("short_parts"):
+                findings.append(f"{report['short_parts']}/{num_parts} parts had fewer than {MIN_ROBUST_ROWS} copies "
+                                "(a sender dropped out): kept this reducer's own")
+            logger.warning(f"averaging ({report['aggregation']}) of stage {self.stage.index}: " + "; ".join(findings))
             self.on_outliers(report)
 
     async def run_round(self, at: float, stop: asyncio.Event, *, num_members: int = 2) -> bool:

@@ -147,7 +147,8 @@ class RobustPartReducer(TensorPartReducer):
         if self.own_index not in self._parts or not bool(torch.isfinite(self._parts[self.own_index]).all()):
             raise ValueError(f"only {len(senders)} of {self.num_senders} senders delivered, and this reducer has no "
                              "finite copy of its own to keep")
-        return self._parts[self.own_index].to(torch.float32).to(torch.float64).reshape(self.part_shapes[self.current_part_index])
+        own = self._parts[self.own_index].to(torch.float32).to(torch.float64)  # float32-exact, as in _reduce
+        return own.reshape(self.part_shapes[self.current_part_index])
 
     def finalize(self) -> None:
         if not self.finished.is_set() and (any(self.num_refused) or any(self.num_outvoted) or self.num_short):
