@@ -13,6 +13,7 @@ and refuses a write under somebody else's key.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -89,6 +90,10 @@ class RunSpec:
             ``"files:<sha256>"`` for the user's own text files, identified by their content hash.
         seed: the seed of deterministic initialisation and of data order.
         protocol_version: bumped when the wire protocol changes incompatibly.
+        layout_version: 0 in the published spec. A peer that trains under a layout re-planned after a
+            stage vanished (``planner.replanning``) holds a copy with the new ``stage_layers`` and
+            this version (:meth:`with_layout`); its pipeline, averaging and state transfers are
+            namespaced by it (:attr:`namespace`), so peers of two layouts never mix tensors.
     """
 
     run_id: str
@@ -103,6 +108,7 @@ class RunSpec:
     dataset: str = "builtin:pydoc"
     seed: int = 0
     protocol_version: int = PROTOCOL_VERSION
+    layout_version: int = 0
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -112,7 +118,7 @@ class RunSpec:
         _check_float("lr", self.lr, 0.0, 10.0, open_low=True)
         _check_float("weight_decay", self.weight_decay, 0.0, 10.0)
         _check_float("averaging_period", self.averaging_period, 1.0, 86400.0)
-        for name in ("microbatch_size", "target_batch_size", "seed", "protocol_version"):
+        for name in ("microbatch_size", "target_batch_size", "seed", "protocol_version", "layout_version"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 31:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -124,6 +130,17 @@ class RunSpec:
     @property
     def num_stages(self) -> int:
         return len(self.stage_layers)
+
+    @property
+    def namespace(self) -> str:
+        """The name of this layout's RPC handlers and averaging keys: the run id under the published
+        layout, ``<run_id>@L<version>`` under a re-planned one ('@' is not allowed in a run id, so no
+        other run can own the name; hivemind refuses a '.' in an averaging prefix)."""
+        return self.run_id if self.layout_version == 0 else f"{self.run_id}@L{self.layout_version}"
+
+    def with_layout(self, version: int, stage_layers: tuple[tuple[int, int], ...]) -> RunSpec:
+        """This spec under layout ``version`` (its ``stage_layers``; checked like the published ones)."""
+        return dataclasses.replace(self, layout_version=version, stage_layers=tuple(tuple(r) for r in stage_layers))
 
     def to_wire(self) -> dict[str, Any]:
         wire = asdict(self)
@@ -183,6 +200,11 @@ class PeerRecord:
         bytes_received: likewise, received.
         backup_stage: the stage whose backup it keeps for the swarm (``planner.backup``), -1 if none.
         backup_version: the version of that backup (0 if none).
+        layout_version: the version of the stage layout it trains under (0: the run spec's own;
+            each layer-wise re-plan after a stage vanished adds one, ``planner.replanning``).
+        stage_layers: that layout's block ranges per stage; empty means the run spec's own.
+        layout_map: per stage of the layout before it, the stage that took its place (-1: it
+            vanished); empty under the run spec's own layout.
         peer_key: the libp2p public key its peer id hashes (RSA identities; empty when the peer id
             inlines the key, as Ed25519 ones do).
         peer_signature: the binding: the identity key's signature of the run id and the record key
@@ -209,6 +231,9 @@ class PeerRecord:
     bytes_received: int = 0
     backup_stage: int = -1
     backup_version: int = 0
+    layout_version: int = 0
+    stage_layers: tuple[tuple[int, int], ...] = ()
+    layout_map: tuple[int, ...] = ()
     peer_key: bytes = b""
     peer_signature: bytes = b""
 
@@ -229,10 +254,15 @@ class PeerRecord:
         _check_float("averaged_at", self.averaged_at, 0.0, 1e11)
         if not isinstance(self.loss, (int, float)) or isinstance(self.loss, bool) or math.isinf(self.loss):
             raise ValueError("loss must be a finite number or NaN (none yet)")
-        for name in ("num_samples", "version", "bytes_sent", "bytes_received", "backup_version"):
+        for name in ("num_samples", "version", "bytes_sent", "bytes_received", "backup_version", "layout_version"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
                 raise ValueError(f"{name} must be a non-negative integer")
+        if self.stage_layers:
+            _check_stage_layers(self.stage_layers, None)
+        if (not isinstance(self.layout_map, tuple) or len(self.layout_map) > MAX_STAGES or not all(
+                isinstance(k, int) and not isinstance(k, bool) and -1 <= k < MAX_STAGES for k in self.layout_map)):
+            raise ValueError(f"layout_map must be at most {MAX_STAGES} stage indices (or -1)")
         if len(self.maddrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in self.maddrs):
             raise ValueError("maddrs must be at most 16 strings")
         if not isinstance(self.params_digest, str) or len(self.params_digest) > 128:
@@ -248,6 +278,8 @@ class PeerRecord:
         """The record as stored; ``with_binding=False`` leaves out the binding's bytes (for JSON logs)."""
         wire = asdict(self)
         wire["maddrs"] = list(self.maddrs)
+        wire["stage_layers"] = [list(r) for r in self.stage_layers]
+        wire["layout_map"] = list(self.layout_map)
         if not with_binding:
             del wire["peer_key"], wire["peer_signature"]
         return wire
@@ -261,18 +293,33 @@ class PeerRecord:
         if not isinstance(maddrs, (list, tuple)):
             raise ValueError(f"peer record maddrs must be a list, got {type(maddrs).__name__}")
         fields["maddrs"] = tuple(maddrs)
+        layers = fields.get("stage_layers", ())
+        if not isinstance(layers, (list, tuple)) or len(layers) > MAX_STAGES:
+            raise ValueError("peer record stage_layers must be a list of at most 64 ranges")
+        fields["stage_layers"] = tuple(tuple(r) if isinstance(r, (list, tuple)) else r for r in layers)
+        layout_map = fields.get("layout_map", ())
+        if not isinstance(layout_map, (list, tuple)):
+            raise ValueError("peer record layout_map must be a list")
+        fields["layout_map"] = tuple(layout_map)
         try:
             return cls(**fields)
         except TypeError as e:
             raise ValueError(f"peer record has wrong fields: {e}") from None
 
 
-def _check_stage_layers(stage_layers: Any, num_layers: int) -> None:
-    if not stage_layers or len(stage_layers) > MAX_STAGES:
+def _check_stage_layers(stage_layers: Any, num_layers: int | None) -> None:
+    """Ranges that tile ``[0, num_layers)`` in order (any end up to 2**20 when ``num_layers`` is None)."""
+    if not isinstance(stage_layers, (tuple, list)) or not stage_layers or len(stage_layers) > MAX_STAGES:
         raise ValueError(f"a run has 1-{MAX_STAGES} stages")
+    num_layers = num_layers if num_layers is not None else stage_layers[-1][1] if (
+        isinstance(stage_layers[-1], (tuple, list)) and len(stage_layers[-1]) == 2
+        and isinstance(stage_layers[-1][1], int) and 0 < stage_layers[-1][1] <= 1 << 20) else -1
+    if num_layers < 0:
+        raise ValueError(f"stage layer ranges must end at a layer in [1, 2**20], got {list(stage_layers)}")
     expected_start = 0
     for k, layer_range in enumerate(stage_layers):
-        if len(layer_range) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in layer_range):
+        if (not isinstance(layer_range, (tuple, list)) or len(layer_range) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in layer_range)):
             raise ValueError(f"stage {k} layer range must be two integers, got {layer_range!r}")
         start, end = layer_range
         if start != expected_start or end <= start:

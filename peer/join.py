@@ -131,7 +131,7 @@ async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *,
     transfer = TransferConfig(request_timeout=config.request_timeout, piece_bytes=piece_bytes_for(stage),
                               min_agreeing_donors=min(min_agreeing_donors, len(holders)))
     with _state_dir(config, stage) as store_dir:
-        result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.run_id,
+        result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.namespace,
                                   stage=stage.index, store_dir=store_dir, config=transfer, reputation=reputation)
     await stage.run(stage.load_state_tensors, result.state)
     return result
@@ -141,7 +141,7 @@ async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *,
 def _state_dir(config: PeerConfig, stage: Stage) -> Iterator[Path]:
     """``--state-cache``/<run>/stage<k> (kept, so a restarted join resumes), else a temporary folder."""
     if config.state_cache:
-        path = Path(config.state_cache).expanduser() / stage.spec.run_id / f"stage{stage.index}"
+        path = Path(config.state_cache).expanduser() / stage.spec.namespace / f"stage{stage.index}"
         path.mkdir(parents=True, exist_ok=True)
         yield path
         return

@@ -9,7 +9,7 @@ the average back. After a round every member of the group holds a bit-identical 
 (averaging runs on float64 copies; see ``__init__``), which the stage keeps as its snapshot for
 joiners: every replica serves the same bytes under the same version (the round's time).
 Unreliable peers take part in client mode: they send and receive but host no part of the reduce.
-Averager keys are ``<run_id>_stage<k>``.
+Averager keys are ``<namespace>_stage<k>`` (``RunSpec.namespace``: the run id, plus the layout version after a re-plan).
 
 Each reducer combines its part robustly (:mod:`swarm.robust_allreduce`, ``aggregation``): a replica
 sending NaN is refused, and by default (``centered_clip``) one replica far from the others is
@@ -99,7 +99,7 @@ class StageAverager:
     def _create_averager(self, params: list[torch.Tensor], client_mode: bool) -> RobustAverager:
         stage, matchmaking_time = self.stage, self.matchmaking_time
         return RobustAverager(
-            params, self.dht, aggregation=self.aggregation, start=True, prefix=f"{stage.spec.run_id}_stage{stage.index}",
+            params, self.dht, aggregation=self.aggregation, start=True, prefix=f"{stage.spec.namespace}_stage{stage.index}",
             target_group_size=None, min_group_size=2, min_matchmaking_time=matchmaking_time,
             request_timeout=min(1.0, matchmaking_time / 2), allreduce_timeout=self.allreduce_timeout,
             client_mode=client_mode, allow_state_sharing=False,

@@ -74,7 +74,7 @@ class StageServer:
         self._active: set[asyncio.Task] = set()  # handler tasks serving a request right now
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(forward_handler(self.stage.spec.run_id), self.rpc_forward)
+        await self.p2p.add_binary_stream_handler(forward_handler(self.stage.spec.namespace), self.rpc_forward)
 
     def stop_accepting(self) -> None:
         """Refuse new microbatches (leaving): upstream peers re-send them to another replica."""
@@ -83,7 +83,7 @@ class StageServer:
     async def stop(self, *, timeout: float) -> None:
         """Unregister the handlers and wait up to ``timeout`` for the requests being served."""
         self.stop_accepting()
-        run_id = self.stage.spec.run_id
+        run_id = self.stage.spec.namespace
         try:
             await self.p2p.remove_binary_stream_handler(forward_handler(run_id))
         except Exception as e:  # the daemon may already be gone

@@ -4,6 +4,12 @@ The records are bound to their peer ids (``dht.registry.fetch_peers``), and the 
 steer other peers' decisions are read through ``planner.claims``' bounds (:func:`bound_claims`), so
 every consumer of the view (stage choice, rebalancing, backups, the router, the status pages) sees
 a liar's FLOP/s and samples/s capped at a multiple of its peers' median.
+
+A view holds the peers of one stage layout (``PeerRecord.layout_version`` and ``stage_layers``):
+after a layer-wise re-plan (``planner.replanning``), peers still under the old layout and peers
+under the new one number their stages differently, so each sees only its own layout's peers in
+:attr:`SwarmView.records` (the pipeline, averaging, backups and rescues); :attr:`SwarmView.all_records`
+has every record, for the layout decision itself.
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ class SwarmView:
         self.run_id = run_id
         self.refresh_period = refresh_period
         self.on_change = on_change  # "scale_out" / "scale_in" of a training peer, seen by a refresh
-        self.records: list[PeerRecord] = []
+        self.records: list[PeerRecord] = []  # the records of this view's layout
+        self.all_records: list[PeerRecord] = []  # the records of every layout
+        self.layout_version = 0
+        self.stage_layers: tuple[tuple[int, int], ...] = ()  # of a re-planned layout (version > 0)
         self.updated_at = 0.0
         # refreshes in a row that finished before SLOW_READ: a read that waited out a DHT timeout may
         # have missed records that exist (a peer on a slow or cut link), so its absences prove nothing
@@ -50,7 +59,8 @@ class SwarmView:
         before = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
         started = time.monotonic()
         try:
-            self.records = bound_claims(await fetch_peers(self.dht, self.run_id))
+            self.all_records = bound_claims(await fetch_peers(self.dht, self.run_id))
+            self.records = [r for r in self.all_records if self.in_layout(r)]
         except BaseException:
             self.complete_reads = 0
             raise
@@ -64,6 +74,16 @@ class SwarmView:
         live = {r.peer_id for r in self.records}
         self._departed = {p: at for p, at in self._departed.items() if p in live}  # its record expired: forget
         return self.records
+
+    def set_layout(self, version: int, stage_layers: tuple[tuple[int, int], ...]) -> None:
+        """Follow layout ``version`` from now on (its block ranges; those of version 0 are the run's)."""
+        self.layout_version, self.stage_layers = version, tuple(stage_layers) if version else ()
+        self.records = [r for r in self.all_records if self.in_layout(r)]
+
+    def in_layout(self, record: PeerRecord) -> bool:
+        """Whether ``record``'s peer trains under this view's layout."""
+        return record.layout_version == self.layout_version and (
+            self.layout_version == 0 or record.stage_layers == self.stage_layers)
 
     def members(self, stage: int, *, states: tuple[str, ...] = ("training",)) -> list[PeerRecord]:
         return [r for r in self.records if r.stage == stage and r.state in states and not self._has_departed(r)]

@@ -1,0 +1,118 @@
+"""A running swarm's layout change, on views built from records (peer/relayout.py): who re-plans and
+when, who adopts another peer's layout, where each peer goes, what a joiner trains under; and the
+layout fields of records and views (dht/records.py, swarm/view.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dht.records import ModelSpec, PeerRecord, RunSpec
+from peer.backup import MIN_COMPLETE_READS, RescueWatch
+from peer.relayout import adopted_layout, joiner_layout, new_stage_of, record_layout, replanned_layout
+from swarm.view import SwarmView
+
+BASE = RunSpec(run_id="run", model=ModelSpec(num_layers=6), stage_layers=((0, 2), (2, 4), (4, 6)))
+V1 = ((0, 3), (3, 6))
+
+
+def record(peer_id: str, stage: int, *, version: int = 0, layers=(), layout_map=(), state: str = "training",
+           flops: float = 1e9) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, role="reliable", state=state, stage=stage, flops=flops, announced_at=100.0,
+                      layout_version=version, stage_layers=layers, layout_map=layout_map)
+
+
+def view_of(records: list[PeerRecord], spec: RunSpec = BASE) -> SwarmView:
+    view = SwarmView(None, "run")
+    view.all_records = records
+    view.set_layout(spec.layout_version, spec.stage_layers)
+    view.complete_reads = MIN_COMPLETE_READS
+    return view
+
+
+def test_records_carry_their_layout_and_refuse_a_malformed_one() -> None:
+    mine = record("a", 1, version=1, layers=V1, layout_map=(0, -1, 1))
+    assert PeerRecord.from_wire(mine.to_wire()) == mine
+    for bad in ({"stage_layers": [[0, 3], [2, 6]]}, {"stage_layers": [[0, "3"]]}, {"stage_layers": 7},
+                {"layout_map": [0, 99]}, {"layout_map": "x"}, {"layout_version": -1}, {"layout_map": [True]}):
+        with pytest.raises(ValueError):
+            PeerRecord.from_wire({**mine.to_wire(), **bad})
+    assert PeerRecord.from_wire({k: v for k, v in mine.to_wire().items()
+                                 if k not in ("layout_version", "stage_layers", "layout_map")}).layout_version == 0
+
+
+def test_a_layouts_spec_is_namespaced_and_checked() -> None:
+    spec = BASE.with_layout(1, V1)
+    assert (spec.namespace, spec.num_stages, BASE.namespace) == ("run@L1", 2, "run")
+    with pytest.raises(ValueError):
+        BASE.with_layout(1, ((0, 3), (3, 5)))  # does not cover the model's 6 layers
+    assert RunSpec.from_wire(spec.to_wire()) == spec
+
+
+def test_a_view_holds_its_own_layouts_peers_only() -> None:
+    records = [record("a", 0), record("b", 1, version=1, layers=V1), record("c", 1, version=1, layers=((0, 2), (2, 6)))]
+    view = view_of(records)
+    assert [r.peer_id for r in view.records] == ["a"]
+    view.set_layout(1, V1)
+    assert [r.peer_id for r in view.records] == ["b"], "same version, other ranges: another layout"
+    assert len(view.all_records) == 3
+
+
+def watching(view: SwarmView, peer_id: str, lost: list[PeerRecord]) -> RescueWatch:
+    """A watch that saw ``lost`` hold their stages, then saw them gone (at t = 100)."""
+    watch = RescueWatch(view, BASE, peer_id=peer_id, settle=3.0)
+    records = view.records
+    view.records = records + lost
+    watch.check(90.0)
+    view.records = records
+    watch.check(100.0)
+    return watch
+
+
+def test_the_peers_left_replan_once_the_unrescuable_stage_settled() -> None:
+    records = [record("a", 0), record("c", 2, flops=2e9)]
+    view = view_of(records)
+    never_held = RescueWatch(view, BASE, peer_id="a", settle=3.0)
+    never_held.check(100.0)
+    assert never_held.unrescuable == {}, "a stage never seen held is not lost: the swarm is still forming"
+    watch = watching(view, "a", [record("b", 1)])
+    assert watch.unrescuable == {1: 100.0}, "no stage can spare a peer"
+    assert replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=105.0, after=8.0) is None, "not yet"
+    change = replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=108.0, after=8.0)
+    assert change.spec.stage_layers == ((0, 2), (2, 6)) and change.spec.layout_version == 1
+    assert (change.layout_map, change.stage, change.unheld, change.reason) == ((0, -1, 1), 0, (1,), "replanned")
+    other = replanned_layout(view, BASE, watch, peer_id="c", stage=2, now=108.0, after=8.0)
+    assert other.spec == change.spec and other.stage == 1, "every survivor computes the same layout"
+
+
+def test_a_stage_that_can_be_rescued_is_not_replanned() -> None:
+    view = view_of([record("a", 0), record("b", 0), record("c", 2)])
+    watch = watching(view, "a", [record("x", 1)])
+    assert watch.unrescuable == {}
+    assert replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=200.0, after=8.0) is None
+
+
+def test_the_other_survivors_adopt_the_replanned_layout_and_go_where_its_map_says() -> None:
+    proposer = record("a", 0, version=1, layers=V1, layout_map=(0, -1, 1))
+    view = view_of([proposer, record("c", 2)])  # "a" moved on; "c" still under the run's layout
+    change = adopted_layout(view, BASE, BASE, peer_id="c", stage=2)
+    assert (change.spec.stage_layers, change.stage, change.proposer, change.reason) == (V1, 1, "a", "adopted")
+    assert adopted_layout(view_of([proposer, record("b", 1), record("c", 2)]), BASE, BASE, peer_id="c", stage=2) is None, \
+        "the layout drops stage 1, which this peer sees held"
+    for layers, layout_map in ((((0, 6),), (0, -1, -1)), (V1, (0, 0, 1)), (V1, (0, -1))):
+        hostile = record("h", 0, version=1, layers=layers, layout_map=layout_map)
+        assert adopted_layout(view_of([hostile, record("a", 0), record("c", 2)]), BASE, BASE, peer_id="c",
+                              stage=2) is None, (layers, layout_map)
+
+
+def test_a_peer_the_proposer_missed_goes_where_its_layers_went() -> None:
+    assert new_stage_of(BASE, BASE.with_layout(1, V1), (0, -1, 1), 1) == 0  # layers 2-3: middle is layer 2
+    assert new_stage_of(BASE, BASE.with_layout(1, V1), (), 2) == 1
+
+
+def test_a_joiner_trains_under_the_newest_layout_held() -> None:
+    assert joiner_layout(view_of([record("a", 0)]), BASE) == BASE
+    newer = [record("a", 0, version=1, layers=V1), record("b", 1, version=1, layers=V1), record("z", 0)]
+    assert joiner_layout(view_of(newer), BASE) == BASE.with_layout(1, V1)
+    syncing_only = [record("a", 0, version=1, layers=V1, state="syncing"), record("z", 0)]
+    assert joiner_layout(view_of(syncing_only), BASE) == BASE, "only layouts of working peers count"
+    assert record_layout(record("x", 0, version=1, layers=((0, 3), (3, 5))), BASE) is None, "not this model's layout"
