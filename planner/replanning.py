@@ -17,6 +17,7 @@ seed 001 "topology-driven model replication").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,9 @@ from planner.assembly import assemble_plan
 from planner.costs import estimate_stage_costs, profile_group
 from planner.layer_split import split_layers
 from planner.plan import Plan
-from planner.snapshot import SwarmSnapshot
+from planner.plan import Stage as PlanStage
+from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot
+from planner.stage_choice import StageMember
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,3 +109,107 @@ def replan_after_failure(snapshot: SwarmSnapshot, plan: Plan, failed_peer_ids: s
             if old != survivors[new_index][0]:
                 migrations.append(LayerMigration(layer=layer, from_stage=old if old in alive else None, to_stage=new_index))
     return ReplanDecision(plan=new_plan, migrations=tuple(migrations), released_peer_ids=tuple(sorted(released)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutReplan:
+    """A running swarm's re-planned stage layout (:func:`replan_layout`).
+
+    Attributes:
+        stage_layers: the new block ranges, one per surviving stage.
+        stage_map: per old stage, its index in the new layout, or None when it vanished.
+        migrations: the layers that change stage (``from_stage``/``to_stage`` are old/new indices).
+    """
+
+    stage_layers: tuple[tuple[int, int], ...]
+    stage_map: tuple[int | None, ...]
+    migrations: tuple[LayerMigration, ...]
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Layout:
+    """A stage layout as peers advertise it: its version and block ranges (version 0 is the run's own)."""
+
+    version: int
+    stage_layers: tuple[tuple[int, int], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+
+VANISHED = "~vanished-"  # placeholder server id of a stage nobody holds (never a real peer id)
+
+
+def replan_layout(
+    stage_layers: tuple[tuple[int, int], ...], layer_flops: tuple[float, ...], members: Sequence[StageMember],
+) -> LayoutReplan | None:
+    """Seed 001 §3.4 for a running swarm: the stages no member holds vanish and their layers are
+    re-split over the surviving stages by :func:`replan_after_failure` (by the stages' computing
+    capacity: the sum of their members' FLOP/s). None when every stage is held.
+
+    The peers' memory budgets and links are not in their records, so the snapshot has ample memory
+    and uniform links: only the capacity split decides (a peer checks its own memory afterwards).
+    Deterministic: the same layout and members, in any order, give the same answer.
+
+    Raises:
+        ValueError: no stage is held, a member is outside the stages, or ``layer_flops`` does not
+            match the layout.
+    """
+    num_layers = stage_layers[-1][1]
+    if len(layer_flops) != num_layers:
+        raise ValueError(f"{len(layer_flops)} layer costs for a layout of {num_layers} layers")
+    holders: list[list[StageMember]] = [[] for _ in stage_layers]
+    for member in members:
+        if not 0 <= member.stage < len(stage_layers):
+            raise ValueError(f"peer {member.peer_id} claims stage {member.stage} of {len(stage_layers)}")
+        holders[member.stage].append(member)
+    vanished = [k for k, held in enumerate(holders) if not held]
+    if not vanished:
+        return None
+    if len(vanished) == len(stage_layers):
+        raise ValueError("no stage is held: there is nothing to re-plan onto")
+    placed = [m for held in holders for m in held]
+    devices = tuple(Device(peer_id=m.peer_id, flops=max(m.flops, 1.0), memory_bytes=1 << 60, is_reliable=True)
+                    for m in placed)
+    size = len(devices)
+    links = LinkMatrix(latency_delay=np.zeros((size, size)), bandwidth=np.full((size, size), 1e9))
+    profile = ModelProfile(layer_flops=layer_flops, layer_param_bytes=(0.0,) * num_layers,
+                           layer_activation_bytes=(0.0,) * num_layers)
+    snapshot = SwarmSnapshot(devices=devices, links=links, model=profile)
+    plan = Plan(stages=tuple(
+        PlanStage(layer_start=start, layer_end=end,
+                  server_ids=tuple(sorted(m.peer_id for m in holders[k])) or (f"{VANISHED}{k}",))
+        for k, (start, end) in enumerate(stage_layers)))
+    decision = replan_after_failure(snapshot, plan, {f"{VANISHED}{k}" for k in vanished})
+    survivors = [k for k in range(len(stage_layers)) if k not in vanished]
+    stage_map = tuple(survivors.index(k) if k in survivors else None for k in range(len(stage_layers)))
+    return LayoutReplan(stage_layers=tuple((s.layer_start, s.layer_end) for s in decision.plan.stages),
+                        stage_map=stage_map, migrations=decision.migrations)
+
+
+def choose_layout(current: Layout, seen: Sequence[Layout], *, num_unheld: int, alone: bool) -> Layout | None:
+    """The layout a peer under ``current`` moves to, given the layouts other peers train under; None: stay.
+
+    Every peer applies the same order, so concurrent re-plans converge on one layout: a higher version
+    first, then, between two re-plans of one version (peers whose views differed), the smaller block
+    ranges (lexicographic). A layout is only taken from a peer when it could follow from this peer's
+    view: the next version, dropping between 1 and ``num_unheld`` stages (the stages this peer sees
+    nobody hold), or a competing layout of this peer's own version with as many stages. A peer
+    ``alone`` under its layout (everyone else moved on while it was cut off) takes the best layout of
+    any newer version, as it has no pipeline left where it is.
+    """
+    def follows(layout: Layout) -> bool:
+        if layout.version == current.version:
+            return layout.num_stages == current.num_stages and layout.stage_layers < current.stage_layers
+        if layout.version < current.version:
+            return False
+        if alone:
+            return True
+        dropped = current.num_stages - layout.num_stages
+        return layout.version == current.version + 1 and 1 <= dropped <= num_unheld
+
+    candidates = [layout for layout in seen if layout != current and follows(layout)]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda layout: (-layout.version, layout.stage_layers))

@@ -108,6 +108,17 @@ def stage_flops_per_sample(spec: RunSpec, stage: int) -> float:
     return float(per_token * model.seq_len)
 
 
+def layer_flops_per_sample(spec: RunSpec) -> tuple[float, ...]:
+    """Forward + backward FLOPs of one sequence through each block, the head counted with the last
+    block (the per-layer profile the planner re-splits layers by; sums to the stages' costs)."""
+    model = spec.model
+    block_params = 12 * model.d_model * model.d_model
+    per_block = float((6 * block_params + 12 * model.seq_len * model.d_model) * model.seq_len)
+    flops = [per_block] * model.num_layers
+    flops[-1] += float(6 * model.d_model * model.vocab_size * model.seq_len)
+    return tuple(flops)
+
+
 def stage_num_params(spec: RunSpec, stage: int) -> int:
     """Parameters of a stage, counted from the spec without allocating anything."""
     model = spec.model

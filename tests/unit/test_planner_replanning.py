@@ -79,3 +79,89 @@ def test_all_servers_lost_raises() -> None:
     snapshot = _snapshot([1e13] * 6, unreliable={5})
     with pytest.raises(ValueError):
         replan_after_failure(snapshot, _plan(), {"p0", "p1", "p2", "p3", "p4"})
+
+
+# --- a running swarm's layout (peer/relayout.py): replan_layout and choose_layout ---
+
+from planner.replanning import VANISHED, Layout, choose_layout, replan_layout  # noqa: E402
+from planner.stage_choice import StageMember  # noqa: E402
+
+THREE = ((0, 2), (2, 4), (4, 6))
+
+
+def _members(*stage_flops: tuple[int, float]) -> list[StageMember]:
+    return [StageMember(peer_id=f"p{i}", stage=stage, flops=flops) for i, (stage, flops) in enumerate(stage_flops)]
+
+
+def test_replan_layout_removes_the_unheld_stage_and_splits_by_capacity() -> None:
+    replan = replan_layout(THREE, (1.0,) * 6, _members((0, 1e9), (2, 1e9)))
+    assert replan.stage_layers == ((0, 3), (3, 6))
+    assert replan.stage_map == (0, None, 1)
+    assert {(m.layer, m.from_stage, m.to_stage) for m in replan.migrations} == {(2, None, 0), (3, None, 1)}
+    faster_last = replan_layout(THREE, (1.0,) * 6, _members((0, 1e9), (2, 2e9)))
+    assert faster_last.stage_layers == ((0, 2), (2, 6)), "the stronger survivor takes more layers"
+    heavy_head = replan_layout(THREE, (1.0,) * 5 + (3.0,), _members((0, 1e9), (2, 1e9)))
+    assert heavy_head.stage_layers == ((0, 4), (4, 6)), "layer costs count, not layer numbers"
+
+
+def test_replan_layout_is_none_when_every_stage_is_held_and_refuses_an_empty_swarm() -> None:
+    assert replan_layout(THREE, (1.0,) * 6, _members((0, 1.0), (1, 1.0), (2, 1.0))) is None
+    with pytest.raises(ValueError):
+        replan_layout(THREE, (1.0,) * 6, [])
+    with pytest.raises(ValueError):
+        replan_layout(THREE, (1.0,) * 5, _members((0, 1.0)))
+    with pytest.raises(ValueError):
+        replan_layout(THREE, (1.0,) * 6, _members((3, 1.0)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bounds=st.lists(st.integers(1, 3), min_size=2, max_size=6),
+    holders=st.lists(st.tuples(st.integers(0, 5), st.floats(1e6, 1e12)), min_size=1, max_size=8),
+    seed=st.integers(0, 1000),
+)
+def test_replan_layout_properties(bounds: list[int], holders: list[tuple[int, float]], seed: int) -> None:
+    ends = list(itertools.accumulate(bounds))
+    layers = tuple(zip([0, *ends[:-1]], ends, strict=True))
+    members = [m for m in _members(*holders) if m.stage < len(layers)]
+    held = {m.stage for m in members}
+    if not held:
+        return
+    replan = replan_layout(layers, (1.0,) * ends[-1], members)
+    if len(held) == len(layers):
+        assert replan is None
+        return
+    assert len(replan.stage_layers) == len(held)
+    assert replan.stage_layers[0][0] == 0 and replan.stage_layers[-1][1] == ends[-1]
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(replan.stage_layers)), "every layer exactly once"
+    assert [k for k in replan.stage_map if k is not None] == list(range(len(held))), "survivors keep their order"
+    assert all((replan.stage_map[k] is None) == (k not in held) for k in range(len(layers)))
+    shuffled = list(members)
+    np.random.default_rng(seed).shuffle(shuffled)
+    assert replan_layout(layers, (1.0,) * ends[-1], shuffled) == replan, "order of peers does not matter"
+    assert not any(m.peer_id.startswith(VANISHED) for m in members)
+
+
+def test_choose_layout_takes_the_next_version_only_when_the_view_agrees() -> None:
+    current = Layout(version=0, stage_layers=THREE)
+    next_two = Layout(version=1, stage_layers=((0, 3), (3, 6)))
+    next_one = Layout(version=1, stage_layers=((0, 6),))
+    assert choose_layout(current, [next_two], num_unheld=1, alone=False) == next_two
+    assert choose_layout(current, [next_two], num_unheld=0, alone=False) is None, "every stage held here"
+    assert choose_layout(current, [next_one], num_unheld=1, alone=False) is None, "drops more than is unheld"
+    assert choose_layout(current, [Layout(version=5, stage_layers=((0, 6),))], num_unheld=2, alone=False) is None
+    assert choose_layout(current, [Layout(version=5, stage_layers=((0, 6),))], num_unheld=0, alone=True).version == 5
+    assert choose_layout(current, [current], num_unheld=1, alone=False) is None
+    assert choose_layout(next_two, [current], num_unheld=2, alone=True) is None, "never back to an older layout"
+
+
+def test_choose_layout_converges_between_concurrent_replans() -> None:
+    a = Layout(version=1, stage_layers=((0, 3), (3, 6)))
+    b = Layout(version=1, stage_layers=((0, 2), (2, 6)))
+    assert choose_layout(a, [b], num_unheld=0, alone=False) == b
+    assert choose_layout(b, [a], num_unheld=0, alone=False) is None
+    parent = Layout(version=0, stage_layers=THREE)
+    assert choose_layout(parent, [a, b], num_unheld=1, alone=False) == b
+    assert choose_layout(parent, [b, a], num_unheld=1, alone=False) == b
+    c = Layout(version=2, stage_layers=((0, 6),))
+    assert choose_layout(a, [b, c], num_unheld=1, alone=False) == c, "a newer version goes first"
