@@ -175,6 +175,8 @@ class BackupKeeper:
             logger.info(f"dropped the backup of stage {self.backup.stage}: this peer is no longer its keeper")
             self.metrics.write("backup_dropped", of_stage=self.backup.stage, version=self.backup.version)
             self.backup = None
+        if self.backup is not None and not self.view.members(self.backup.stage, states=HOLDER_STATES):
+            return None  # the only copy of a lost stage: not replaced by another duty until it is held again
         if duty is None:
             return None
         holder = next((r for r in self.view.members(duty.stage, states=HOLDER_STATES) if r.peer_id == duty.holder_id), None)
@@ -193,7 +195,7 @@ class BackupKeeper:
                                   min_agreeing_donors=1)
         try:
             with tempfile.TemporaryDirectory(prefix="murmuration-backup-") as store_dir:
-                result = await pull_state(self.p2p, [holder.peer_id], run_id=self.spec.run_id, stage=stage,
+                result = await pull_state(self.p2p, [holder.peer_id], run_id=self.spec.namespace, stage=stage,
                                           store_dir=Path(store_dir), config=transfer)
             _check_identity(self.spec, stage, result.state)
         except (TransferError, ValueError) as e:
@@ -228,10 +230,19 @@ class RescueWatch:
         self._unheld_since: dict[int, float] = {}  # stage -> when first seen unheld
         self._named: dict[int, float] = {}  # stage -> when a rescuer (maybe another peer) was named
         self._holders: dict[int, tuple[str, ...]] = {}  # stage -> the peers last seen holding it
+        self._copies: dict[int, tuple[BackupCopy, ...]] = {}  # stage -> the backups of it last advertised
+        # stages that lost their holders and that no peer may rescue (each stage left holds one working
+        # peer): the stages a layer-wise re-plan removes (peer/relayout.py), with when each was first
+        # seen unheld
+        self.unrescuable: dict[int, float] = {}
 
     def last_holders(self, stage: int) -> tuple[str, ...]:
         """The peers this watch last saw holding ``stage`` (none if it never saw it held)."""
         return self._holders.get(stage, ())
+
+    def last_copies(self, stage: int) -> tuple[BackupCopy, ...]:
+        """The backups of ``stage`` this watch last saw advertised, newest first (none if never)."""
+        return self._copies.get(stage, ())
 
     async def wait_verified_rescue(
         self, is_answering: Callable[[str], Awaitable[bool]], *,
@@ -283,11 +294,19 @@ class RescueWatch:
                 self._unheld_since[stage] = now
             else:
                 self._unheld_since.setdefault(stage, now)
-        if any(r.state == "joining" for r in self.view.records):
-            return None  # a joiner prefers an unheld stage: let it choose first
         copies = advertised_copies(self.view, num_stages)
+        for stage in {c.stage for c in copies}:
+            self._copies[stage] = tuple(sorted((c for c in copies if c.stage == stage), key=lambda c: (-c.version, c.peer_id)))
+        if any(r.state == "joining" for r in self.view.records):
+            self.unrescuable = {}
+            return None  # a joiner prefers an unheld stage: let it choose first
         paused = {r.peer_id for r in self.view.records if r.state == "paused"}
-        for rescue in choose_rescues(self.costs, members, copies, unmovable=paused):
+        rescues = choose_rescues(self.costs, members, copies, unmovable=paused)
+        rescued = {r.to_stage for r in rescues}
+        # a stage this watch never saw held is not lost (a swarm still forming): a joiner will fill it
+        self.unrescuable = {k: self._unheld_since[k] for k in range(num_stages)
+                            if k not in held and k not in rescued and k in self._holders}
+        for rescue in rescues:
             named_at = self._named.get(rescue.to_stage)
             if now - self._unheld_since[rescue.to_stage] < self.settle:
                 continue  # a view that missed a record for a moment must not move anyone

@@ -86,6 +86,21 @@ def watches(records: list[PeerRecord], *, complete_reads: int = MIN_COMPLETE_REA
     return {r.peer_id: RescueWatch(view, SPEC, peer_id=r.peer_id, settle=SETTLE) for r in records}
 
 
+def test_the_only_copy_of_a_lost_stage_is_not_replaced_by_another_duty():
+    """Three stages, one peer each; stage 1's peer dies. Its keeper ("c", stage 2) is now also the
+    keeper of stage 0 (the next held stage after it): pulling stage 0 would replace the only copy of
+    stage 1 (found by tests/e2e/test_replan.py: the re-plan then restarted stage 1's layers from the seed)."""
+    spec = RunSpec(run_id="run", stage_layers=((0, 1), (1, 3), (3, 4)))
+    view = SwarmView(None, "run")
+    view.records = [record("a", 0, version=9), record("c", 2)]
+    config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), backup_period=PERIOD)
+    k = BackupKeeper(None, view, spec, peer_id="c", config=config, metrics=MetricsLog(None))
+    k.backup = copy_of(1, "b", step=5, at=0.0)
+    assert k.due(PERIOD + 1) is None and k.backup.stage == 1
+    view.records = [record("a", 0, version=9), record("j", 1), record("k", 1), record("c", 2)]  # held again, twice
+    assert k.due(PERIOD + 2) is None and k.backup is None, "then the copy goes (stage 1 needs none; j keeps stage 0)"
+
+
 def test_the_keeper_is_named_once_the_stage_stayed_unheld_for_the_settle_time():
     records = [record("b", 1, backup_stage=0, backup_version=9), record("c", 1)]
     peers = watches(records)
