@@ -9,7 +9,10 @@ peer reloads anything.
 
 A stage held by a single peer is backed up on a peer of the next stage (``peer.backup``, seed 001
 §3.4); when a stage loses its last holder, the peer ``planner.backup.choose_rescues`` names moves
-there the same way and loads the backup, whatever ``--rebalance-period`` and ``--stage`` say.
+there the same way and loads the backup, whatever ``--rebalance-period`` and ``--stage`` say. When
+no peer can be spared for that, the peers re-plan the layout without the stage after
+``--replan-after`` seconds (``peer.relayout``): every peer moves to a new stage numbering and
+builds its new stage from its own state, its old neighbours' and the lost stage's backup.
 
 The composition root: the only place that wires the DHT, the stage, its server, the router, the
 averager and the trainer together (DESIGN §1 steps 1–4, 6 and 9).
@@ -45,6 +48,14 @@ from peer.errors import UserError
 from peer.faults import inject_bad_updates, inject_corrupt_shards, inject_wrong_outputs, read_faults
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state, stage_state_bytes
 from peer.metrics import MetricsLog
+from peer.relayout import (
+    Handoff,
+    LayoutChange,
+    adopted_layout,
+    gather_pieces,
+    joiner_layout,
+    replanned_layout,
+)
 from peer.profiler import (
     available_memory_bytes,
     measure_flops,
@@ -70,6 +81,7 @@ from swarm.data import DataError, TokenSampler, data_seed, load_corpus
 from swarm.failure_detector import FailureDetector
 from swarm.membership import MembershipNotices, membership_handler
 from swarm.model import stage_flops_per_sample
+from swarm.relayout import BadPieceError, compose_stage_state
 from swarm.router import Router
 from swarm.spot_check import SpotChecker
 from swarm.stage import Stage
@@ -99,7 +111,10 @@ class Peer:
         self.role = config.resolved_role
         self.metrics = MetricsLog(config.metrics_file)
         self.dht = self.validator = self.p2p = None
-        self.spec: RunSpec | None = None
+        self.spec: RunSpec | None = None  # under the layout this peer trains under (peer.relayout)
+        self.base_spec: RunSpec | None = None  # as the run published it
+        self.watch: RescueWatch | None = None  # the current stage's; read by a layout change
+        self._handoffs: list[Handoff] = []  # old layouts' states this peer still serves
         self.stage: Stage | None = None
         self.view: SwarmView | None = None
         self.server: StageServer | None = None
@@ -130,6 +145,7 @@ class Peer:
         self.sync_progress: SyncProgress | None = None
         self.checkpoint_progress: WriteProgress | None = None  # the last (or current) checkpoint write
         self._stage_trained = False  # the current stage has its state and served: it may be checkpointed
+        self._layout_map: tuple[int, ...] = ()  # how the current layout derives from the one before
 
     def log_prefix(self) -> str:
         stage = f" stage {self.stage.index} step {self.stage.version}" if self.stage else ""
@@ -167,7 +183,7 @@ class Peer:
         self.peer_id = self.dht.peer_id.to_base58()
         self.maddrs = tuple(visible_maddrs(self.dht)[:4])  # read once: every heartbeat carries them
         logger.info(f"joined the DHT as {self.peer_id} ({self.role}); reachable at {' '.join(self.maddrs)}")
-        self.spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout)
+        self.spec = self.base_spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout)
         logger.info(f"run spec: {self.spec.describe()}")
         self.history = StatusHistory(seq_len=self.spec.model.seq_len)
         self._corpus = self._load_corpus()  # before choosing a stage: a data mistake is the user's to fix
@@ -175,6 +191,12 @@ class Peer:
         self.flops = await asyncio.to_thread(measure_flops, self.spec, device)
         logger.info(f"measured {self.flops / 1e9:.2f} GFLOP/s on {device}")
         self.view = SwarmView(self.dht, self.spec.run_id)
+        await self.view.refresh()
+        self.spec = joiner_layout(self.view, self.base_spec)  # the newest layout peers train under
+        self.view.set_layout(self.spec.layout_version, self.spec.stage_layers)
+        if self.spec.layout_version:
+            logger.info(f"the swarm trains under re-planned layout v{self.spec.layout_version}: "
+                        f"{self.spec.num_stages} stages {list(self.spec.stage_layers)}")
         self.announced_at = dht_time()
         stage_index = config.stage
         if stage_index >= self.spec.num_stages:
@@ -327,7 +349,7 @@ class Peer:
         """The first peer of a stage loads ``--checkpoint-dir``'s checkpoint of it, if there is one."""
         if not self.config.checkpoint_dir:
             return False
-        path = checkpoint_path(self.config.checkpoint_dir, self.spec.run_id, self.stage.index)
+        path = checkpoint_path(self.config.checkpoint_dir, self.spec.namespace, self.stage.index)
         try:
             version, state = await asyncio.to_thread(load_checkpoint, path, spec=self.spec, stage=self.stage.index)
         except FileNotFoundError:
@@ -344,7 +366,7 @@ class Peer:
         started, stage = time.monotonic(), self.stage
         state = await stage.run(stage.state_tensors)
         version = int(state["counters.num_steps"])  # the state's own step: the stage may step while this writes
-        path = checkpoint_path(self.config.checkpoint_dir, self.spec.run_id, stage.index)
+        path = checkpoint_path(self.config.checkpoint_dir, self.spec.namespace, stage.index)
         self.checkpoint_progress = WriteProgress()
         await asyncio.to_thread(save_checkpoint, path, state, spec=self.spec, stage=stage.index, version=version,
                                 progress=self.checkpoint_progress)
@@ -369,10 +391,12 @@ class Peer:
                 return
             if isinstance(move, Rescue):
                 await self._rescue(move)
+            elif isinstance(move, LayoutChange):
+                await self._relayout(move)
             else:
                 await self._move(move)
 
-    async def _serve_stage(self, stop: asyncio.Event) -> StageMove | Rescue | None:
+    async def _serve_stage(self, stop: asyncio.Event) -> StageMove | Rescue | LayoutChange | None:
         """Start the stage's services and serve until ``stop``; returns a move this peer must make."""
         config, spec, stage = self.config, self.spec, self.stage
         max_payload = int(config.max_payload_mb * MIB)
@@ -381,11 +405,11 @@ class Peer:
         if "wrong_outputs" in self.faults:
             inject_wrong_outputs(stage)
         if not stage.is_last:
-            checker = SpotChecker(self.p2p, run_id=spec.run_id, fraction=config.spot_check_fraction,
+            checker = SpotChecker(self.p2p, run_id=spec.namespace, fraction=config.spot_check_fraction,
                                   tolerance=config.spot_check_tolerance, rng=random.Random(f"spot:{spec.seed}:{self.peer_id}"),
                                   timeout=config.request_timeout, max_payload_bytes=max_payload,
                                   reputation=self.reputation, on_event=self._on_stage_event)
-            router = Router(self.p2p, self.view, run_id=spec.run_id, next_stage=stage.index + 1,
+            router = Router(self.p2p, self.view, run_id=spec.namespace, next_stage=stage.index + 1,
                             next_stage_flops=stage_flops_per_sample(spec, stage.index + 1),
                             request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                             rng=random.Random(f"{spec.seed}:{self.peer_id}"), sticky=replay,
@@ -396,7 +420,7 @@ class Peer:
                                   on_microbatch=self._on_microbatch, on_event=self._on_stage_event,
                                   ledger=MicrobatchLedger() if replay else None, reputation=self.reputation)
         await self.server.start()
-        self.replication = ReplicationServer(self.p2p, run_id=spec.run_id, stage=stage.index,
+        self.replication = ReplicationServer(self.p2p, run_id=spec.namespace, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout,
                                              backup_fn=self.keeper.backup_fn)
         if "corrupt_shards" in self.faults:
@@ -442,16 +466,102 @@ class Peer:
             self._tasks.append(rebalance)
         if config.backup_period > 0:
             self._tasks.append(asyncio.create_task(self.keeper.run(train_stop), name="backup"))
-        watch = RescueWatch(self.view, spec, peer_id=self.peer_id, settle=config.heartbeat_ttl / 2)
+        watch = self.watch = RescueWatch(self.view, spec, peer_id=self.peer_id, settle=config.heartbeat_ttl / 2)
         rescue = asyncio.create_task(watch.wait_verified_rescue(self._answers_ping, on_skipped=self._rescue_skipped),
                                      name="rescue")
-        self._tasks.append(rescue)
+        layout = asyncio.create_task(self._layout_loop(watch), name="layout")
+        self._tasks += [rescue, layout]
         await self._wait_stop(stop)
         train_stop.set()
-        for change in (rescue, rebalance):
+        for change in (layout, rescue, rebalance):
             if change is not None and change.done() and not change.cancelled():
                 return change.result()
         return None
+
+    async def _layout_loop(self, watch: RescueWatch) -> LayoutChange:
+        """Returns once this peer moves to a new stage layout: one another peer moved to
+        (``adopted_layout``), or one it re-plans itself after a stage stayed unheld with no rescue
+        possible for ``--replan-after`` seconds and its last holders do not answer a ping."""
+        skipped: set[int] = set()
+        while True:
+            await asyncio.sleep(1.0)
+            if self.state not in ("training", "paused"):
+                continue
+            change = adopted_layout(self.view, self.spec, self.base_spec, peer_id=self.peer_id, stage=self.stage.index)
+            if change is None and self.config.replan_after > 0 and self.view.complete_reads >= 3:
+                change = replanned_layout(self.view, self.spec, watch, peer_id=self.peer_id, stage=self.stage.index,
+                                          now=time.monotonic(), after=self.config.replan_after)
+                if change is not None:
+                    holders = [p for k in change.unheld for p in watch.last_holders(k)]
+                    answers = await asyncio.gather(*(self._answers_ping(p) for p in holders))
+                    answering = [p for p, answered in zip(holders, answers) if answered]
+                    if answering:
+                        if not skipped >= set(change.unheld):
+                            logger.info(f"stages {list(change.unheld)} look unheld, but {answering[0][-6:]} answers a "
+                                        "ping: not re-planning")
+                        skipped |= set(change.unheld)
+                        continue
+            if change is not None:
+                return change
+
+    async def _relayout(self, change: LayoutChange) -> None:
+        """Move to ``change``'s layout: finish the in-flight work, serve the old state for a while
+        (``Handoff``), and build the new stage from the old stages' states (``peer.relayout``)."""
+        started = time.monotonic()
+        old_spec, old_index, watch, device = self.spec, self.stage.index, self.watch, self.stage.device
+        new_spec, new_index = change.spec, change.stage
+        logger.info(f"stage layout v{old_spec.layout_version} -> v{new_spec.layout_version} ({change.reason}"
+                    f"{'' if change.reason == 'replanned' else ' from ' + change.proposer[-6:]}): "
+                    f"{new_spec.num_stages} stages {list(new_spec.stage_layers)}; this peer moves from stage "
+                    f"{old_index} {list(old_spec.stage_layers[old_index])} to stage {new_index} "
+                    f"{list(new_spec.stage_layers[new_index])}")
+        self.metrics.write("relayout_start", reason=change.reason, proposer=change.proposer,
+                           from_version=old_spec.layout_version, version=new_spec.layout_version,
+                           stage_layers=[list(r) for r in new_spec.stage_layers], layout_map=list(change.layout_map),
+                           from_stage=old_index, stage=new_index, unheld=list(change.unheld))
+        self.state = "leaving"
+        own_state = await self._release_stage(announce=True, keep_state=True)
+        backup = self.keeper.backup if self.keeper is not None else None
+        handoff = Handoff(self.p2p, old_spec, old_index, own_state, backup=backup,
+                          request_timeout=self.config.request_timeout)
+        await handoff.start()
+        self._handoffs.append(handoff)
+        self.spec = new_spec
+        self.view.set_layout(new_spec.layout_version, new_spec.stage_layers)
+        if self.keeper is not None:
+            self.keeper.spec, self.keeper.backup = new_spec, None  # the old layout's copy: served by the handoff
+        self._layout_map = change.layout_map
+        self.announced_at = dht_time()
+        self._check_memory(new_index, device)
+        self.stage, self._stage_trained = self._new_stage(new_index, device), False
+        self.state = "syncing"
+        await self._heartbeat_once()
+        vanished = [k for k, new in enumerate(change.layout_map) if new < 0]
+        pieces = await gather_pieces(self.p2p, old_spec, new_spec, new_index, own_stage=old_index, own_state=own_state,
+                                     own_backup=backup, watch=watch, vanished=vanished,
+                                     request_timeout=self.config.request_timeout, reputation=self.reputation)
+        base = await self.stage.run(self.stage.state_tensors)
+        while True:
+            try:
+                composed, provenance = await asyncio.to_thread(compose_stage_state, new_spec, new_index, pieces, base=base,
+                                                               num_steps=int(own_state["counters.num_steps"]))
+                break
+            except BadPieceError as e:  # a donor served a malformed state: its layers come from elsewhere
+                logger.warning(f"refused a state piece while changing layout: {e}")
+                self.metrics.write("relayout_piece_refused", source=e.source, reason=str(e))
+                pieces = [p for p in pieces if p.source != e.source]
+        await self.stage.run(self.stage.load_state_tensors, composed)
+        digest = await self.stage.run(self.stage.params_digest)
+        seconds = time.monotonic() - started
+        reseeded = sorted(part for part, source in provenance.items() if source == "seed")
+        if reseeded:
+            logger.warning(f"no peer had {', '.join(reseeded)} of the lost stage: restarted from the run seed")
+        logger.info(f"now stage {new_index} of layout v{new_spec.layout_version}, built in {seconds:.2f} s from "
+                    f"{', '.join(sorted({p.source for p in pieces}))}")
+        self.metrics.write("relayout", reason=change.reason, version=new_spec.layout_version, from_stage=old_index,
+                           stage=new_index, stage_layers=[list(r) for r in new_spec.stage_layers],
+                           provenance=provenance, reseeded=reseeded, seconds=seconds, digest=digest,
+                           step=self.stage.version)
 
     async def _rebalance_loop(self) -> StageMove:
         """Returns once this peer is the one to move (never otherwise; cancelled on leave)."""
@@ -546,6 +656,8 @@ class Peer:
             self.state = "leaving"
             logger.info("leaving")
         await self._release_stage(announce=announce)
+        for handoff in self._handoffs:
+            await handoff.shutdown()
         if self.status_protocol is not None:
             await self.status_protocol.shutdown()
         if self.view is not None:
@@ -554,9 +666,10 @@ class Peer:
             self.dht.shutdown()
         self.metrics.close()
 
-    async def _release_stage(self, *, announce: bool) -> None:
+    async def _release_stage(self, *, announce: bool, keep_state: bool = False) -> dict[str, torch.Tensor] | None:
         """Stop serving the current stage: tell the neighbours, let in-flight microbatches finish,
-        then shut the stage's services down (the DHT, the view and the status stay)."""
+        then shut the stage's services down (the DHT, the view and the status stay). With
+        ``keep_state``, returns the stage's state as it is once the in-flight work is done."""
         if announce:
             if self.server is not None:
                 self.server.stop_accepting()  # upstream peers re-send to another replica from now on
@@ -581,6 +694,10 @@ class Peer:
                 await self._write_checkpoint()
             except Exception as e:
                 logger.warning(f"could not write the last checkpoint: {e!r}")
+        kept = None
+        if keep_state and self.stage is not None:
+            await self.stage.wait_step_done()
+            kept = await self.stage.run(self.stage.state_tensors)
         for service in (self.replication, self.notices, self.router and self.router.spot_checker):
             if service is not None:
                 await service.shutdown()
@@ -591,6 +708,7 @@ class Peer:
                 closer()
         self._tasks, self.trainer, self.server, self.replication, self.notices, self.averager = [], None, None, None, None, None
         self.router = self.detector = None
+        return kept
 
     def _record(self, stage: int | None = None) -> PeerRecord:
         counters = self.stage.counters if self.stage else None
@@ -606,6 +724,9 @@ class Peer:
             maddrs=self.maddrs, params_digest=self.averaged[1], averaged_at=self.averaged[0],
             software_version=SOFTWARE_VERSION, bytes_sent=self.traffic.bytes_sent,
             bytes_received=self.traffic.bytes_received,
+            layout_version=self.spec.layout_version if self.spec else 0,
+            stage_layers=self.spec.stage_layers if self.spec and self.spec.layout_version else (),
+            layout_map=self._layout_map if self.spec and self.spec.layout_version else (),
         )
 
     async def _heartbeat_once(self, stage: int | None = None) -> None:

@@ -25,6 +25,7 @@ from peer.errors import UserError
 from peer.health_page import render_health_page
 from peer.http_status import Response, StatusHTTPServer
 from peer.prometheus_metrics import CONTENT_TYPE, HTTPCollector, PeerCollector, SwarmCollector, make_registry, render_metrics
+from peer.relayout import newest_layout_records
 from peer.status import local_status
 from peer.swarm_status import SwarmHistory, swarm_status
 from peer.terminal_view import TerminalView
@@ -202,8 +203,10 @@ def open_bootstrap_status(node: Any) -> StatusService:
     ``--status-port``, from a swarm view of its own (nothing at all with port 0)."""
     config = node.config
     view = SwarmView(node.dht, config.run_id) if config.status_port else None
-    source = StatusSource(run_id=config.run_id, spec=lambda: node.spec,
-                          records=lambda: list(view.records) if view is not None else [], owned_view=view)
+    # after a layer-wise re-plan, the stages and peers of the layout the swarm trains under (peer.relayout)
+    source = StatusSource(run_id=config.run_id, spec=lambda: newest_layout_records(view, node.spec)[0] if view else node.spec,
+                          records=lambda: newest_layout_records(view, node.spec)[1] if view is not None else [],
+                          owned_view=view)
     return StatusService(source, host=config.status_host, port=config.status_port)
 
 

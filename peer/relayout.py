@@ -1,0 +1,282 @@
+"""Layer-wise re-planning in a running swarm (seed 001 §3.4): a stage that lost every holder, with no
+peer to spare for a rescue, is removed and its layers go to the stages left.
+
+A rescue (``peer.backup``) moves a peer from a stage that keeps another holder. When every stage
+left has a single working holder, no rescue is possible, and before this the pipeline waited for a
+new volunteer. Now, once such a stage has stayed unheld for ``--replan-after`` seconds (and its last
+holders do not answer a ping), every peer of the layout computes the same new layout with
+``planner.replanning.replan_layout``: the surviving stages in their order, the layers re-split by
+their computing capacity. Peers agree with no message beyond their heartbeats:
+
+* A layout is a version and its block ranges. Every record carries the layout its peer trains under
+  (``PeerRecord.layout_version``, ``stage_layers``, ``layout_map``), and each peer's view holds only
+  its own layout's peers (``swarm.view``). RPC handlers and averaging keys are namespaced by the
+  layout (``RunSpec.namespace``), so peers of two layouts never exchange tensors.
+* A peer that re-plans adopts the new layout at once. The others take it from its record
+  (``planner.replanning.choose_layout``): the next version, dropping no more stages than they see
+  unheld. Two peers that re-planned from different views converge on the smaller block ranges.
+* Moving to the new layout, a peer finishes its in-flight work, keeps serving its old state under
+  the old namespace for ``HANDOFF_GRACE`` seconds (:class:`Handoff`), and builds its new stage
+  (``swarm.relayout.compose_stage_state``) from its own old state, from the old stages' holders (which
+  serve theirs the same way), and from the backups of the stages that vanished. A layer nobody has
+  (a stage with two holders that both crashed keeps no backup) restarts from the run seed, and the
+  peer says so in its metrics.
+
+A joiner trains under the newest layout among the working peers' records (``Peer._join``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hivemind.p2p import P2P
+
+from dht.records import PeerRecord, RunSpec
+from dht.reputation import Reputation
+from peer.backup import HOLDER_STATES, MEMBER_STATES, RescueWatch, StageBackup
+from peer.join import piece_bytes_of
+from planner.replanning import Layout, choose_layout, replan_layout
+from planner.stage_choice import StageMember
+from replication.server import ReplicationServer
+from replication.transfer import TransferConfig, TransferError, pull_state
+from swarm.model import layer_flops_per_sample, stage_num_params
+from swarm.relayout import StatePiece, needed_sources
+from swarm.view import SwarmView
+
+__all__ = ["Handoff", "LayoutChange", "adopted_layout", "gather_pieces", "joiner_layout", "newest_layout_records",
+           "replanned_layout"]
+
+logger = logging.getLogger(__name__)
+HANDOFF_GRACE = 90.0  # seconds a peer serves its old layout's state after it moved on
+PULL_PATIENCE = 60.0  # seconds a peer keeps asking an old stage's holders for its state
+PULL_RETRY = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutChange:
+    """This peer moves to a new layout.
+
+    Attributes:
+        spec: the run spec under the new layout.
+        layout_map: per old stage, its new index (-1: it vanished).
+        stage: this peer's stage in the new layout.
+        reason: "replanned" (this peer computed it) or "adopted" (from ``proposer``'s record).
+        proposer: the peer whose record it came from (this peer's id when re-planned here).
+        unheld: the old stages this peer saw nobody hold.
+    """
+
+    spec: RunSpec
+    layout_map: tuple[int, ...]
+    stage: int
+    reason: str
+    proposer: str
+    unheld: tuple[int, ...]
+
+
+def layout_of(spec: RunSpec) -> Layout:
+    return Layout(version=spec.layout_version, stage_layers=spec.stage_layers)
+
+
+def record_layout(record: PeerRecord, base: RunSpec) -> Layout | None:
+    """The layout ``record`` trains under, if it is one of this run's model (else None: ignored)."""
+    if record.layout_version == 0:
+        return Layout(version=0, stage_layers=base.stage_layers)
+    try:
+        spec = base.with_layout(record.layout_version, record.stage_layers)
+    except ValueError:
+        return None
+    if len(record.layout_map) > 64 or any(k >= spec.num_stages for k in record.layout_map):
+        return None
+    return layout_of(spec)
+
+
+def _unheld(view: SwarmView, spec: RunSpec) -> tuple[int, ...]:
+    held = {r.stage for r in view.records if r.state in MEMBER_STATES}
+    return tuple(k for k in range(spec.num_stages) if k not in held)
+
+
+def new_stage_of(old_spec: RunSpec, new_spec: RunSpec, layout_map: Sequence[int], old_stage: int) -> int:
+    """This peer's stage after the change: where ``layout_map`` sends its old stage, or (its stage
+    vanished in the proposer's view: that view missed this peer) the new stage holding the middle of
+    its old layers."""
+    if 0 <= old_stage < len(layout_map) and 0 <= layout_map[old_stage] < new_spec.num_stages:
+        return layout_map[old_stage]
+    start, end = old_spec.stage_layers[old_stage]
+    middle = (start + end - 1) // 2
+    return next(k for k, (s, e) in enumerate(new_spec.stage_layers) if s <= middle < e)
+
+
+def adopted_layout(view: SwarmView, spec: RunSpec, base: RunSpec, *, peer_id: str, stage: int) -> LayoutChange | None:
+    """The layout another peer moved to that this one must follow (``choose_layout``), or None."""
+    current = layout_of(spec)
+    unheld = _unheld(view, spec)
+    by_layout: dict[Layout, PeerRecord] = {}
+    for record in sorted(view.all_records, key=lambda r: r.peer_id):
+        if record.peer_id == peer_id or record.state not in MEMBER_STATES:
+            continue
+        layout = record_layout(record, base)
+        if layout is None or layout == current:
+            continue
+        if layout.version == current.version + 1 and not _follows_from(current, layout, record.layout_map, unheld):
+            continue  # a map that drops a stage this peer sees held (or is malformed): not from this swarm's view
+        by_layout.setdefault(layout, record)
+    if not by_layout:
+        return None
+    alone = not any(r.peer_id != peer_id and r.state in MEMBER_STATES for r in view.records)
+    chosen = choose_layout(current, list(by_layout), num_unheld=len(unheld), alone=alone)
+    if chosen is None:
+        return None
+    proposer = by_layout[chosen]
+    new_spec = base.with_layout(chosen.version, chosen.stage_layers)
+    layout_map = proposer.layout_map if chosen.version == current.version + 1 else ()
+    return LayoutChange(spec=new_spec, layout_map=tuple(layout_map), reason="adopted", proposer=proposer.peer_id,
+                        stage=new_stage_of(spec, new_spec, layout_map, stage), unheld=unheld)
+
+
+def _follows_from(current: Layout, layout: Layout, layout_map: Sequence[int], unheld: Sequence[int]) -> bool:
+    """Whether ``layout_map`` takes ``current`` to ``layout`` by dropping stages that are unheld here."""
+    kept = [k for k in layout_map if k >= 0]
+    dropped = [old for old, new in enumerate(layout_map) if new < 0]
+    return (len(layout_map) == current.num_stages and kept == list(range(layout.num_stages))
+            and bool(dropped) and set(dropped) <= set(unheld))
+
+
+def joiner_layout(view: SwarmView, base: RunSpec) -> RunSpec:
+    """The spec a joiner trains under: the best layout (newest, then smallest ranges) among the
+    records of the peers that hold a stage; the published one if none."""
+    layouts = {layout for r in view.all_records if r.state in HOLDER_STATES
+               and (layout := record_layout(r, base)) is not None}
+    if not layouts:
+        return base
+    best = min(layouts, key=lambda layout: (-layout.version, layout.stage_layers))
+    return base.with_layout(best.version, best.stage_layers) if best.version else base
+
+
+def newest_layout_records(view: SwarmView, base: RunSpec | None) -> tuple[RunSpec | None, list[PeerRecord]]:
+    """What an observer (the bootstrap's status page) shows: the spec under the layout joiners would
+    take (:func:`joiner_layout`) and the records of its peers."""
+    if base is None:
+        return None, list(view.all_records)
+    spec = joiner_layout(view, base)
+    current = layout_of(spec)
+    return spec, [r for r in view.all_records if record_layout(r, base) == current]
+
+
+def replanned_layout(
+    view: SwarmView, spec: RunSpec, watch: RescueWatch, *, peer_id: str, stage: int, now: float, after: float,
+) -> LayoutChange | None:
+    """The layout this peer re-plans to, once a stage no peer may rescue has been unheld for ``after``
+    seconds (``RescueWatch.unrescuable``); None otherwise. The caller pings the stage's last holders first."""
+    if not watch.unrescuable or min(now - since for since in watch.unrescuable.values()) < after:
+        return None
+    members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops) for r in view.records
+               if 0 <= r.stage < spec.num_stages and r.state in MEMBER_STATES]
+    replan = replan_layout(spec.stage_layers, layer_flops_per_sample(spec), members)
+    if replan is None:
+        return None
+    new_spec = spec.with_layout(spec.layout_version + 1, replan.stage_layers)
+    layout_map = tuple(-1 if k is None else k for k in replan.stage_map)
+    return LayoutChange(spec=new_spec, layout_map=layout_map, reason="replanned", proposer=peer_id,
+                        stage=new_stage_of(spec, new_spec, layout_map, stage), unheld=_unheld(view, spec))
+
+
+class Handoff:
+    """Serves this peer's last state of its old stage (and the backup it kept) under the old layout's
+    namespace for ``grace`` seconds, so that the peers building their new stages can pull it."""
+
+    def __init__(self, p2p: P2P, spec: RunSpec, stage: int, state: Mapping[str, torch.Tensor], *,
+                 backup: StageBackup | None, request_timeout: float, grace: float = HANDOFF_GRACE) -> None:
+        served = {k: v for k, v in state.items() if k != "counters.num_steps"}
+        version = int(state["counters.num_steps"]) if "counters.num_steps" in state else 0
+
+        async def snapshot() -> tuple[int, dict[str, torch.Tensor]]:
+            return version, served
+
+        def backup_fn(of_stage: int):
+            if backup is None or backup.stage != of_stage:
+                return None
+
+            async def copy() -> tuple[int, dict[str, torch.Tensor]]:
+                return backup.version, backup.state
+            return copy
+
+        self.server = ReplicationServer(p2p, run_id=spec.namespace, stage=stage, snapshot_fn=snapshot,
+                                        request_timeout=request_timeout, backup_fn=backup_fn)
+        self.grace = grace
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._task = asyncio.create_task(self._expire(), name="handoff")
+
+    async def _expire(self) -> None:
+        await asyncio.sleep(self.grace)
+        await self.server.shutdown()
+
+    async def shutdown(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await self.server.shutdown()
+
+
+async def gather_pieces(
+    p2p: P2P, old_spec: RunSpec, new_spec: RunSpec, new_stage: int, *, own_stage: int,
+    own_state: Mapping[str, torch.Tensor], own_backup: StageBackup | None, watch: RescueWatch,
+    vanished: Sequence[int], request_timeout: float, reputation: Reputation | None, patience: float = PULL_PATIENCE,
+) -> list[StatePiece]:
+    """The old stages' states the new stage needs (``needed_sources``), own first: this peer's own
+    state, the backup it kept, else pulled from the old stage's last holders (lowest id first) or,
+    for a vanished stage, from the keepers of its newest backup. A source nobody serves is left out
+    (its layers keep the run seed's initialisation; the caller reports it)."""
+    pieces = []
+    for old in needed_sources(old_spec, new_spec, new_stage):
+        if old == own_stage:
+            pieces.append(StatePiece(spec=old_spec, stage=old, state=own_state, source="own"))
+        elif own_backup is not None and own_backup.stage == old:
+            pieces.append(StatePiece(spec=old_spec, stage=old, state=own_backup.state, source="backup:self"))
+        else:
+            piece = await _pull_piece(p2p, old_spec, old, watch, vanished=old in vanished,
+                                      request_timeout=request_timeout, reputation=reputation, patience=patience)
+            if piece is not None:
+                pieces.append(piece)
+    pieces.sort(key=lambda p: p.source != "own")
+    return pieces
+
+
+async def _pull_piece(
+    p2p: P2P, spec: RunSpec, stage: int, watch: RescueWatch, *, vanished: bool, request_timeout: float,
+    reputation: Reputation | None, patience: float,
+) -> StatePiece | None:
+    """Old ``stage``'s state: from its last holders (a vanished stage's are gone) or its backup's keepers."""
+    holders = [] if vanished else [(p, "holder") for p in sorted(watch.last_holders(stage))]
+    copies = watch.last_copies(stage)
+    keepers = [(c.peer_id, "backup") for c in copies if c.version == copies[0].version]
+    donors = holders + keepers
+    if not donors:
+        logger.warning(f"nobody holds or keeps a backup of old stage {stage}: its layers restart from the run seed")
+        return None
+    state_bytes = 3 * 4 * stage_num_params(spec, stage)
+    transfer = TransferConfig(request_timeout=request_timeout, piece_bytes=piece_bytes_of(state_bytes), min_agreeing_donors=1)
+    deadline = time.monotonic() + patience
+    while True:
+        for peer_id, kind in donors:
+            try:
+                with tempfile.TemporaryDirectory(prefix="murmuration-relayout-") as store_dir:
+                    result = await pull_state(p2p, [peer_id], run_id=spec.namespace, stage=stage,
+                                              store_dir=Path(store_dir), config=transfer, reputation=reputation)
+            except (TransferError, ValueError) as e:
+                logger.info(f"could not pull old stage {stage} from {peer_id[-6:]} ({kind}): {e}")
+                continue
+            return StatePiece(spec=spec, stage=stage, state=result.state, source=f"{kind}:{peer_id}")
+        if time.monotonic() > deadline:
+            logger.warning(f"no holder of old stage {stage} served it within {patience:.0f} s: "
+                           "its layers restart from the run seed")
+            return None
+        await asyncio.sleep(PULL_RETRY)
