@@ -73,13 +73,35 @@ def checkpoint_path(directory: str | os.PathLike[str], run_id: str, stage: int) 
     return Path(directory) / f"{run_id}-stage{stage}.safetensors"
 
 
+def newest_checkpoint_layout(directory: str | os.PathLike[str], base: RunSpec) -> RunSpec:
+    """The spec under the newest re-planned layout (``peer.relayout``) this folder holds checkpoints
+    of, or ``base`` if none: a whole swarm that stopped after a re-plan resumes under that layout,
+    not from the older checkpoints of the published one. Unreadable or foreign files are skipped."""
+    best = base
+    for path in sorted(Path(directory).glob(f"{base.run_id}@L*-stage*.safetensors")):
+        try:
+            with open(path, "rb") as file:
+                header_size = int.from_bytes(file.read(8), "little")
+                if not 0 < header_size <= 100 * 2**20:
+                    continue
+                metadata = json.loads(file.read(header_size)).get("__metadata__") or {}
+            spec = base.with_layout(int(metadata["layout_version"]),
+                                    tuple(tuple(r) for r in json.loads(metadata["stage_layers"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if metadata.get("run_id") == base.run_id and spec.layout_version > best.layout_version:
+            best = spec
+    return best
+
+
 def save_checkpoint(path: Path, state: dict[str, torch.Tensor], *, spec: RunSpec, stage: int, version: int,
                     progress: WriteProgress | None = None) -> None:
     """Writes ``state`` to ``path`` atomically (temporary file, fsync, rename), in the safetensors
     format, ``WRITE_CHUNK_BYTES`` at a time so that ``progress`` can follow it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": FORMAT, "run_id": spec.run_id, "stage": str(stage), "version": str(version),
-                "spec_digest": spec_digest(spec)}
+                "spec_digest": spec_digest(spec), "layout_version": str(spec.layout_version),
+                "stage_layers": json.dumps([list(r) for r in spec.stage_layers])}
     header, tensors = _safetensors_header(state, metadata)
     progress = progress or WriteProgress()
     progress.total_bytes = len(header) + sum(t.numel() * t.element_size() for t in tensors)

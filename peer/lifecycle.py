@@ -41,6 +41,7 @@ from peer.checkpoint import (
     WriteProgress,
     checkpoint_path,
     load_checkpoint,
+    newest_checkpoint_layout,
     save_checkpoint,
 )
 from peer.config import PeerConfig
@@ -193,6 +194,9 @@ class Peer:
         self.view = SwarmView(self.dht, self.spec.run_id)
         await self.view.refresh()
         self.spec = joiner_layout(self.view, self.base_spec)  # the newest layout peers train under
+        if self.spec.layout_version == 0 and config.checkpoint_dir and not any(
+                r.state in ("training", "paused") for r in self.view.all_records):
+            self.spec = newest_checkpoint_layout(config.checkpoint_dir, self.base_spec)  # a swarm restarting
         self.view.set_layout(self.spec.layout_version, self.spec.stage_layers)
         if self.spec.layout_version:
             logger.info(f"the swarm trains under re-planned layout v{self.spec.layout_version}: "
@@ -531,6 +535,7 @@ class Peer:
         if self.keeper is not None:
             self.keeper.spec, self.keeper.backup = new_spec, None  # the old layout's copy: served by the handoff
         self._layout_map = change.layout_map
+        self.averaged = (0.0, "")  # the old stage's last round: nothing to compare with under the new layout
         self.announced_at = dht_time()
         self._check_memory(new_index, device)
         self.stage, self._stage_trained = self._new_stage(new_index, device), False

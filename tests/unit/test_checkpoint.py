@@ -97,3 +97,22 @@ def test_what_we_write_is_what_the_safetensors_library_writes(tmp_path):
     for loaded in (load_file(ours), load_file(theirs)):
         assert sorted(loaded) == sorted(state)
         assert all(torch.equal(loaded[name], state[name]) for name in state)
+
+
+def test_a_swarm_restarting_after_a_replan_resumes_under_the_newest_layout_it_checkpointed(tmp_path):
+    from peer.checkpoint import newest_checkpoint_layout
+
+    base = RunSpec(run_id="ckpt", stage_layers=((0, 1), (1, 3), (3, 4)))
+    assert newest_checkpoint_layout(tmp_path, base) == base, "an empty folder: the published layout"
+    for version, layers in ((1, ((0, 3), (3, 4))), (2, ((0, 4),))):
+        spec = base.with_layout(version, layers)
+        stage = Stage(spec, 0, device=torch.device("cpu"))
+        save_checkpoint(checkpoint_path(tmp_path, spec.namespace, 0), stage.state_tensors(), spec=spec, stage=0, version=3)
+        stage.shutdown()
+    (tmp_path / "ckpt@L9-stage0.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    other = RunSpec(run_id="other", stage_layers=base.stage_layers)
+    assert newest_checkpoint_layout(tmp_path, other) == other, "another run's files do not count"
+    newest = newest_checkpoint_layout(tmp_path, base)
+    assert (newest.layout_version, newest.stage_layers) == (2, ((0, 4),)), "the newest readable one"
+    version, state = load_checkpoint(checkpoint_path(tmp_path, newest.namespace, 0), spec=newest, stage=0)
+    assert version == 3 and "model.blocks.3.fc.weight" in state
