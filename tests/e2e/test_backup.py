@@ -85,10 +85,11 @@ def test_the_only_peer_of_a_stage_is_killed_and_the_stage_comes_back_from_its_ba
 
 
 def test_a_joiner_of_a_stage_whose_only_peer_was_killed_pulls_it_from_the_backup(local_swarm):
-    """Two peers, 1 + 1: nobody can be spared for a rescue, so the stage waits for a joiner, which
-    pulls the backup from its keeper instead of starting the stage from the run seed."""
+    """Two peers, 1 + 1: nobody can be spared for a rescue, and re-planning is off (--replan-after 0;
+    tests/e2e/test_replan.py has it on), so the stage waits for a joiner, which pulls the backup from
+    its keeper instead of starting the stage from the run seed."""
     local_swarm.start_bootstrap()
-    peers = [local_swarm.start_peer(*ARGS) for _ in range(2)]
+    peers = [local_swarm.start_peer(*ARGS, "--replan-after", "0") for _ in range(2)]
     wait_for(lambda: all(p.events("status") for p in peers), 150, "two peers to train")
     victim = next(p for p in peers if stage_of(p) == 0)
     keeper = next(p for p in peers if p is not victim)
@@ -101,7 +102,7 @@ def test_a_joiner_of_a_stage_whose_only_peer_was_killed_pulls_it_from_the_backup
     # a joiner reads the DHT: until the victim's last heartbeat expires (--heartbeat-ttl, 6 s) it may
     # still see stage 0 as held and choose stage 1 (then the keeper rescues stage 0, a different path)
     time.sleep(7)
-    joiner = local_swarm.start_peer(*ARGS)
+    joiner = local_swarm.start_peer(*ARGS, "--replan-after", "0")
     wait_for(lambda: joiner.events("backup_restored"), 150, "the joiner to restore stage 0 from its backup")
     restored = joiner.events("backup_restored")[0]
     assert (restored["stage"], restored["source"], restored["version"]) == (0, "backup-donor", backup["version"])
