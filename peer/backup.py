@@ -37,6 +37,7 @@ import torch
 from hivemind.p2p import P2P
 
 from dht.records import PeerRecord, RunSpec
+from dht.reputation import Reputation
 from peer.config import PeerConfig
 from peer.join import piece_bytes_of
 from peer.metrics import MetricsLog
@@ -44,11 +45,11 @@ from planner.backup import BackupCopy, Rescue, assign_backups, choose_rescues
 from planner.claims import credible_copies
 from planner.stage_choice import StageMember
 from replication.server import SnapshotFn
-from replication.transfer import TransferConfig, TransferError, pull_state
+from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
 from swarm.model import stage_flops_per_sample, stage_num_params
 from swarm.view import SwarmView
 
-__all__ = ["BackupKeeper", "RescueWatch", "StageBackup", "advertised_copies", "state_digest"]
+__all__ = ["BackupKeeper", "RescueWatch", "StageBackup", "advertised_copies", "pull_copy", "serve_backup", "state_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,34 @@ def advertised_copies(view: SwarmView, num_stages: int, *, exclude: str = "") ->
     return credible_copies(num_stages, stage_members(view, num_stages, HOLDER_STATES), copies)
 
 
+def serve_backup(backup: StageBackup | None, stage: int) -> SnapshotFn | None:
+    """The snapshot function that serves ``backup`` to a request for ``stage`` (None: not a copy of it)."""
+    if backup is None or backup.stage != stage:
+        return None
+
+    async def snapshot() -> tuple[int, dict[str, torch.Tensor]]:
+        return backup.version, backup.state
+    return snapshot
+
+
+async def pull_copy(
+    p2p: P2P, spec: RunSpec, stage: int, donors: list[str], *, request_timeout: float,
+    reputation: Reputation | None = None,
+) -> PullResult:
+    """A copy of ``stage``'s state (its holders') or of a backup of it (its keepers'), in memory, from
+    ``donors`` under ``spec``'s layout; one donor's manifest is enough (``min_agreeing_donors=1``).
+
+    Raises:
+        TransferError, ValueError: as ``pull_state``.
+    """
+    state_bytes = 3 * 4 * stage_num_params(spec, stage)  # float32 parameters and two AdamW moments
+    transfer = TransferConfig(request_timeout=request_timeout, piece_bytes=piece_bytes_of(state_bytes),
+                              min_agreeing_donors=1)
+    with tempfile.TemporaryDirectory(prefix="murmuration-copy-") as store_dir:
+        return await pull_state(p2p, donors, run_id=spec.namespace, stage=stage, store_dir=Path(store_dir),
+                                config=transfer, reputation=reputation)
+
+
 class BackupKeeper:
     """Keeps the backup ``planner.backup.assign_backups`` gives this peer, for the peer's whole life
     (across stage moves: a rescuer loads the backup it kept after leaving its own stage)."""
@@ -126,13 +155,7 @@ class BackupKeeper:
 
     def backup_fn(self, stage: int) -> SnapshotFn | None:
         """``ReplicationServer``'s ``backup_fn``: the snapshot of the backup of ``stage``, if kept."""
-        backup = self.backup
-        if backup is None or backup.stage != stage:
-            return None
-
-        async def snapshot() -> tuple[int, dict[str, torch.Tensor]]:
-            return backup.version, backup.state
-        return snapshot
+        return serve_backup(self.backup, stage)
 
     def take(self, stage: int) -> StageBackup | None:
         """Hand the backup of ``stage`` over to this peer's own stage (a rescue); None if not kept."""
@@ -190,13 +213,8 @@ class BackupKeeper:
 
     async def _pull(self, stage: int, holder: PeerRecord) -> None:
         started = time.monotonic()
-        state_bytes = 3 * 4 * stage_num_params(self.spec, stage)  # float32 parameters and two AdamW moments
-        transfer = TransferConfig(request_timeout=self.config.request_timeout, piece_bytes=piece_bytes_of(state_bytes),
-                                  min_agreeing_donors=1)
         try:
-            with tempfile.TemporaryDirectory(prefix="murmuration-backup-") as store_dir:
-                result = await pull_state(self.p2p, [holder.peer_id], run_id=self.spec.namespace, stage=stage,
-                                          store_dir=Path(store_dir), config=transfer)
+            result = await pull_copy(self.p2p, self.spec, stage, [holder.peer_id], request_timeout=self.config.request_timeout)
             _check_identity(self.spec, stage, result.state)
         except (TransferError, ValueError) as e:
             self._failed_at = time.monotonic()

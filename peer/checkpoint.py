@@ -80,14 +80,10 @@ def newest_checkpoint_layout(directory: str | os.PathLike[str], base: RunSpec) -
     best = base
     for path in sorted(Path(directory).glob(f"{base.run_id}@L*-stage*.safetensors")):
         try:
-            with open(path, "rb") as file:
-                header_size = int.from_bytes(file.read(8), "little")
-                if not 0 < header_size <= 100 * 2**20:
-                    continue
-                metadata = json.loads(file.read(header_size)).get("__metadata__") or {}
+            metadata = _read_metadata(path)
             spec = base.with_layout(int(metadata["layout_version"]),
                                     tuple(tuple(r) for r in json.loads(metadata["stage_layers"])))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError):
             continue
         if metadata.get("run_id") == base.run_id and spec.layout_version > best.layout_version:
             best = spec
@@ -144,6 +140,21 @@ def _safetensors_header(state: dict[str, torch.Tensor], metadata: dict[str, str]
     return len(encoded).to_bytes(8, "little") + encoded, tensors
 
 
+def _read_metadata(path: Path) -> dict[str, Any]:
+    """The ``__metadata__`` of the safetensors file at ``path`` (empty if it has none).
+
+    Raises:
+        OSError: it cannot be read. ValueError: it is not a safetensors file (CheckpointError).
+    """
+    with open(path, "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")
+        if not 0 < header_size <= 100 * 2**20:
+            raise CheckpointError(f"{path} is not a safetensors file")
+        header = json.loads(file.read(header_size))
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
+
+
 def load_checkpoint(path: Path, *, spec: RunSpec, stage: int) -> tuple[int, dict[str, torch.Tensor]]:
     """The (version, state) of the checkpoint at ``path``, checked to be of this run, stage and model.
 
@@ -152,12 +163,7 @@ def load_checkpoint(path: Path, *, spec: RunSpec, stage: int) -> tuple[int, dict
         CheckpointError: it is unreadable or of something else.
     """
     try:
-        with open(path, "rb") as file:
-            header_size = int.from_bytes(file.read(8), "little")
-            if not 0 < header_size <= 100 * 2**20:
-                raise CheckpointError(f"{path} is not a safetensors file")
-            header = json.loads(file.read(header_size))
-        metadata = header.get("__metadata__") or {}
+        metadata = _read_metadata(path)
         state = load_file(path)
     except FileNotFoundError:
         raise

@@ -29,24 +29,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from hivemind.p2p import P2P
 
 from dht.records import PeerRecord, RunSpec
 from dht.reputation import Reputation
-from peer.backup import HOLDER_STATES, MEMBER_STATES, RescueWatch, StageBackup
-from peer.join import piece_bytes_of
+from peer.backup import HOLDER_STATES, MEMBER_STATES, RescueWatch, StageBackup, pull_copy, serve_backup
 from planner.replanning import Layout, choose_layout, replan_layout
 from planner.stage_choice import StageMember
 from replication.server import ReplicationServer
-from replication.transfer import TransferConfig, TransferError, pull_state
-from swarm.model import layer_flops_per_sample, stage_num_params
+from replication.transfer import TransferError
+from swarm.model import layer_flops_per_sample
 from swarm.relayout import StatePiece, needed_sources
 from swarm.view import SwarmView
 
@@ -199,16 +196,9 @@ class Handoff:
         async def snapshot() -> tuple[int, dict[str, torch.Tensor]]:
             return version, served
 
-        def backup_fn(of_stage: int):
-            if backup is None or backup.stage != of_stage:
-                return None
-
-            async def copy() -> tuple[int, dict[str, torch.Tensor]]:
-                return backup.version, backup.state
-            return copy
-
         self.server = ReplicationServer(p2p, run_id=spec.namespace, stage=stage, snapshot_fn=snapshot,
-                                        request_timeout=request_timeout, backup_fn=backup_fn)
+                                        request_timeout=request_timeout,
+                                        backup_fn=lambda of_stage: serve_backup(backup, of_stage))
         self.grace = grace
         self._task: asyncio.Task | None = None
 
@@ -262,15 +252,12 @@ async def _pull_piece(
     if not donors:
         logger.warning(f"nobody holds or keeps a backup of old stage {stage}: its layers restart from the run seed")
         return None
-    state_bytes = 3 * 4 * stage_num_params(spec, stage)
-    transfer = TransferConfig(request_timeout=request_timeout, piece_bytes=piece_bytes_of(state_bytes), min_agreeing_donors=1)
     deadline = time.monotonic() + patience
     while True:
         for peer_id, kind in donors:
             try:
-                with tempfile.TemporaryDirectory(prefix="murmuration-relayout-") as store_dir:
-                    result = await pull_state(p2p, [peer_id], run_id=spec.namespace, stage=stage,
-                                              store_dir=Path(store_dir), config=transfer, reputation=reputation)
+                result = await pull_copy(p2p, spec, stage, [peer_id], request_timeout=request_timeout,
+                                         reputation=reputation)
             except (TransferError, ValueError) as e:
                 logger.info(f"could not pull old stage {stage} from {peer_id[-6:]} ({kind}): {e}")
                 continue
