@@ -35,7 +35,7 @@ from dht.records import PeerRecord, RunSpec
 from dht.registry import declare_peer, dht_time
 from dht.reputation import Reputation
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
-from peer.backup import BackupKeeper, RescueWatch, advertised_copies, state_digest
+from peer.backup import BackupKeeper, RescueWatch, StageBackup, advertised_copies, state_digest
 from peer.checkpoint import (
     CheckpointError,
     WriteProgress,
@@ -541,6 +541,31 @@ class Peer:
         self.stage, self._stage_trained = self._new_stage(new_index, device), False
         self.state = "syncing"
         await self._heartbeat_once()
+        await self.view.refresh()
+        if self.view.members(new_index):
+            # the stage already trains under the new layout (a replica that moved first, or this peer
+            # was cut off while the swarm moved on): its holders' state is the one to take, as a joiner would
+            provenance = {"stage": await self._obtain_state()}
+        else:
+            provenance = await self._compose_stage(change, old_spec, old_index, own_state, backup, watch)
+        digest = await self.stage.run(self.stage.params_digest)
+        seconds = time.monotonic() - started
+        reseeded = sorted(part for part, source in provenance.items() if source == "seed")
+        if reseeded:
+            logger.warning(f"no peer had {', '.join(reseeded)} of the lost stage: restarted from the run seed")
+        logger.info(f"now stage {new_index} of layout v{new_spec.layout_version}, built in {seconds:.2f} s from "
+                    f"{', '.join(sorted(set(provenance.values())))}")
+        self.metrics.write("relayout", reason=change.reason, version=new_spec.layout_version, from_stage=old_index,
+                           stage=new_index, stage_layers=[list(r) for r in new_spec.stage_layers],
+                           provenance=provenance, reseeded=reseeded, seconds=seconds, digest=digest,
+                           step=self.stage.version)
+
+    async def _compose_stage(self, change: LayoutChange, old_spec: RunSpec, old_index: int,
+                             own_state: dict[str, torch.Tensor], backup: StageBackup | None,
+                             watch: RescueWatch) -> dict[str, str]:
+        """Build the new stage from pieces of the old layout (``peer.relayout.gather_pieces``) and load
+        it; returns where each part came from."""
+        new_spec, new_index = self.spec, self.stage.index
         vanished = [k for k, new in enumerate(change.layout_map) if new < 0]
         pieces = await gather_pieces(self.p2p, old_spec, new_spec, new_index, own_stage=old_index, own_state=own_state,
                                      own_backup=backup, watch=watch, vanished=vanished,
@@ -556,17 +581,7 @@ class Peer:
                 self.metrics.write("relayout_piece_refused", source=e.source, reason=str(e))
                 pieces = [p for p in pieces if p.source != e.source]
         await self.stage.run(self.stage.load_state_tensors, composed)
-        digest = await self.stage.run(self.stage.params_digest)
-        seconds = time.monotonic() - started
-        reseeded = sorted(part for part, source in provenance.items() if source == "seed")
-        if reseeded:
-            logger.warning(f"no peer had {', '.join(reseeded)} of the lost stage: restarted from the run seed")
-        logger.info(f"now stage {new_index} of layout v{new_spec.layout_version}, built in {seconds:.2f} s from "
-                    f"{', '.join(sorted({p.source for p in pieces}))}")
-        self.metrics.write("relayout", reason=change.reason, version=new_spec.layout_version, from_stage=old_index,
-                           stage=new_index, stage_layers=[list(r) for r in new_spec.stage_layers],
-                           provenance=provenance, reseeded=reseeded, seconds=seconds, digest=digest,
-                           step=self.stage.version)
+        return provenance
 
     async def _rebalance_loop(self) -> StageMove:
         """Returns once this peer is the one to move (never otherwise; cancelled on leave)."""
