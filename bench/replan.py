@@ -15,8 +15,9 @@ the middle stage's peer (``os.killpg(SIGKILL)``: the peer, its DHT child and its
   replacement peer starts ``--replacement-delay`` seconds after the kill (a volunteer arriving),
   joins the empty stage and loads the backup the next stage's peer kept.
 
-Per mode, from the peers' events files: ``stall_seconds`` (the kill to the first stage-0 microbatch
-that finished after it), ``goodput_before`` / ``goodput_after`` (samples/s finished at stage 0 over
+Per mode, from the peers' events files: ``stall_seconds`` (the kill to the end of the longest gap
+between stage-0 microbatch completions after it: microbatches already past the middle stage still
+finish just after the kill), ``goodput_before`` / ``goodput_after`` (samples/s finished at stage 0 over
 ``--window`` seconds before the kill and after the stall), the last stage's mean loss over the 20
 microbatches before the kill and the 20 after the stall, and, for ``replan``, when the layout
 changed, how long building the new stages took and which layers restarted from the seed (none
@@ -68,6 +69,17 @@ def last_losses(peers, start: float, end: float) -> list[tuple[float, float]]:
     return sorted(losses)
 
 
+def resume_time(peers, killed_at: float, *, after_gap: int = 5) -> float | None:
+    """The end of the longest gap between stage-0 microbatch completions that reaches past
+    ``killed_at``, once ``after_gap`` completions followed it; None until then."""
+    times = sorted(e["t"] for p in peers for e in p.events("microbatch") if e["stage"] == 0 and e["t"] >= killed_at - 5)
+    gaps = [(b - a, i + 1) for i, (a, b) in enumerate(zip(times, times[1:])) if b > killed_at]
+    if not gaps:
+        return None
+    _, end = max(gaps)
+    return times[end] if len(times) - end > after_gap else None
+
+
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     swarm = LocalSwarm(workdir / mode)
     flags = [*PEER_FLAGS, "--replan-after", str(args.replan_after if mode == "replan" else 0)]
@@ -89,10 +101,11 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         if mode == "wait":
             time.sleep(args.replacement_delay)
             survivors.append(swarm.start_peer(*flags))
-        wait_for(lambda: stage0_samples(survivors, killed_at, time.time()) > 0, args.recover_timeout,
+        # microbatches already past the middle stage still finish just after the kill: the stall is the
+        # longest gap between stage-0 completions after it, once a few have come after the gap
+        wait_for(lambda: resume_time(survivors, killed_at) is not None, args.recover_timeout,
                  "training to resume after the kill")
-        resumed_at = min(e["t"] for p in survivors for e in p.events("microbatch")
-                         if e["stage"] == 0 and e["t"] >= killed_at)
+        resumed_at = resume_time(survivors, killed_at)
         time.sleep(args.window)
         relayouts = [e for p in survivors for e in p.events("relayout")]
         before = [loss for _, loss in last_losses(peers, killed_at - args.window, killed_at)][-20:]
