@@ -5,9 +5,7 @@ and bad pieces are refused."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from swarm.relayout import (
     needed_sources,
 )
 from swarm.stage import Stage
+from tests.unit.test_stage import open_stages
 
 CPU = torch.device("cpu")
 MODEL = ModelSpec(vocab_size=256, d_model=32, num_layers=6, num_heads=4, seq_len=16)
@@ -28,18 +27,6 @@ OLD = RunSpec(run_id="t", model=MODEL, stage_layers=((0, 2), (2, 4), (4, 6)), se
               microbatch_size=2, target_batch_size=2)
 NEW = dataclasses.replace(OLD, stage_layers=((0, 3), (3, 6)))
 DEADLINE = 20.0  # backs up the training steps' awaits; never reached when the code is right
-
-
-@contextlib.contextmanager
-def open_stages(spec: RunSpec, *indices: int) -> Iterator[list[Stage]]:
-    stages: list[Stage] = []
-    try:
-        for k in indices:
-            stages.append(Stage(spec, k, device=CPU))
-        yield stages
-    finally:
-        for stage in stages:
-            stage.shutdown()
 
 
 def tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
