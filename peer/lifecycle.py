@@ -49,6 +49,12 @@ from peer.errors import UserError
 from peer.faults import inject_bad_updates, inject_corrupt_shards, inject_wrong_outputs, read_faults
 from peer.join import fetch_spec, negotiate_stage, pull_stage_state, stage_state_bytes
 from peer.metrics import MetricsLog
+from peer.profiler import (
+    available_memory_bytes,
+    measure_flops,
+    resolve_device,
+    stage_memory_bytes,
+)
 from peer.relayout import (
     Handoff,
     LayoutChange,
@@ -56,12 +62,6 @@ from peer.relayout import (
     gather_pieces,
     joiner_layout,
     replanned_layout,
-)
-from peer.profiler import (
-    available_memory_bytes,
-    measure_flops,
-    resolve_device,
-    stage_memory_bytes,
 )
 from peer.status import (
     SOFTWARE_VERSION,
