@@ -114,6 +114,7 @@ def adopted_layout(view: SwarmView, spec: RunSpec, base: RunSpec, *, peer_id: st
     """The layout another peer moved to that this one must follow (``choose_layout``), or None."""
     current = layout_of(spec)
     unheld = _unheld(view, spec)
+    alone = not any(r.peer_id != peer_id and r.state in MEMBER_STATES for r in view.records)
     by_layout: dict[Layout, PeerRecord] = {}
     for record in sorted(view.all_records, key=lambda r: r.peer_id):
         if record.peer_id == peer_id or record.state not in MEMBER_STATES:
@@ -121,20 +122,24 @@ def adopted_layout(view: SwarmView, spec: RunSpec, base: RunSpec, *, peer_id: st
         layout = record_layout(record, base)
         if layout is None or layout == current:
             continue
-        if layout.version == current.version + 1 and not _follows_from(current, layout, record.layout_map, unheld):
+        if (layout.version == current.version + 1 and not alone
+                and not _follows_from(current, layout, record.layout_map, unheld)):
             continue  # a map that drops a stage this peer sees held (or is malformed): not from this swarm's view
         by_layout.setdefault(layout, record)
     if not by_layout:
         return None
-    alone = not any(r.peer_id != peer_id and r.state in MEMBER_STATES for r in view.records)
     chosen = choose_layout(current, list(by_layout), num_unheld=len(unheld), alone=alone)
     if chosen is None:
         return None
     proposer = by_layout[chosen]
     new_spec = base.with_layout(chosen.version, chosen.stage_layers)
-    layout_map = proposer.layout_map if chosen.version == current.version + 1 else ()
+    if chosen.version == current.version:  # a competing re-plan of the same stages: same numbering
+        layout_map, new_stage = tuple(range(current.num_stages)), stage
+    else:
+        layout_map = proposer.layout_map if chosen.version == current.version + 1 else ()
+        new_stage = new_stage_of(spec, new_spec, layout_map, stage)
     return LayoutChange(spec=new_spec, layout_map=tuple(layout_map), reason="adopted", proposer=proposer.peer_id,
-                        stage=new_stage_of(spec, new_spec, layout_map, stage), unheld=unheld)
+                        stage=new_stage, unheld=unheld)
 
 
 def _follows_from(current: Layout, layout: Layout, layout_map: Sequence[int], unheld: Sequence[int]) -> bool:

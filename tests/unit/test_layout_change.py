@@ -116,3 +116,16 @@ def test_a_joiner_trains_under_the_newest_layout_held() -> None:
     syncing_only = [record("a", 0, version=1, layers=V1, state="syncing"), record("z", 0)]
     assert joiner_layout(view_of(syncing_only), BASE) == BASE, "only layouts of working peers count"
     assert record_layout(record("x", 0, version=1, layers=((0, 3), (3, 5))), BASE) is None, "not this model's layout"
+
+
+def test_a_competing_replan_keeps_the_numbering_and_a_peer_cut_off_follows_the_swarm() -> None:
+    mine = BASE.with_layout(1, ((0, 3), (3, 6)))
+    smaller = record("b", 1, version=1, layers=((0, 2), (2, 6)), layout_map=(0, -1, 1))
+    change = adopted_layout(view_of([smaller, record("a", 1, version=1, layers=((0, 3), (3, 6)))], mine), mine, BASE,
+                            peer_id="a", stage=1)
+    assert (change.spec.stage_layers, change.stage, change.layout_map) == (((0, 2), (2, 6)), 1, (0, 1))
+    # "c" held stage 1 when the others, not seeing it, dropped stage 1: alone now, it follows them
+    moved = [record("a", 0, version=1, layers=V1, layout_map=(0, -1, 1)),
+             record("b", 1, version=1, layers=V1, layout_map=(0, -1, 1))]
+    change = adopted_layout(view_of([*moved, record("c", 1)]), BASE, BASE, peer_id="c", stage=1)
+    assert change.spec.stage_layers == V1 and change.stage == 0, "its layers 2-3 start in new stage 0"
