@@ -35,7 +35,7 @@ from dht.records import PeerRecord, RunSpec
 from dht.registry import declare_peer, dht_time
 from dht.reputation import Reputation
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
-from peer.backup import BackupKeeper, RescueWatch, StageBackup, advertised_copies, state_digest
+from peer.backup import HOLDER_STATES, BackupKeeper, RescueWatch, StageBackup, advertised_copies, state_digest
 from peer.checkpoint import (
     CheckpointError,
     WriteProgress,
@@ -61,7 +61,7 @@ from peer.relayout import (
     adopted_layout,
     gather_pieces,
     joiner_layout,
-    replanned_layout,
+    wait_layout_change,
 )
 from peer.status import (
     SOFTWARE_VERSION,
@@ -195,7 +195,7 @@ class Peer:
         await self.view.refresh()
         self.spec = joiner_layout(self.view, self.base_spec)  # the newest layout peers train under
         if self.spec.layout_version == 0 and config.checkpoint_dir and not any(
-                r.state in ("training", "paused") for r in self.view.all_records):
+                r.state in HOLDER_STATES for r in self.view.all_records):
             self.spec = newest_checkpoint_layout(config.checkpoint_dir, self.base_spec)  # a swarm restarting
         self.view.set_layout(self.spec.layout_version, self.spec.stage_layers)
         if self.spec.layout_version:
@@ -473,7 +473,10 @@ class Peer:
         watch = self.watch = RescueWatch(self.view, spec, peer_id=self.peer_id, settle=config.heartbeat_ttl / 2)
         rescue = asyncio.create_task(watch.wait_verified_rescue(self._answers_ping, on_skipped=self._rescue_skipped),
                                      name="rescue")
-        layout = asyncio.create_task(self._layout_loop(watch), name="layout")
+        layout = asyncio.create_task(wait_layout_change(
+            self.view, spec, self.base_spec, watch, peer_id=self.peer_id, stage=stage.index,
+            replan_after=config.replan_after, is_working=lambda: self.state in HOLDER_STATES,
+            is_answering=self._answers_ping), name="layout")
         self._tasks += [rescue, layout]
         await self._wait_stop(stop)
         train_stop.set()
@@ -481,32 +484,6 @@ class Peer:
             if change is not None and change.done() and not change.cancelled():
                 return change.result()
         return None
-
-    async def _layout_loop(self, watch: RescueWatch) -> LayoutChange:
-        """Returns once this peer moves to a new stage layout: one another peer moved to
-        (``adopted_layout``), or one it re-plans itself after a stage stayed unheld with no rescue
-        possible for ``--replan-after`` seconds and its last holders do not answer a ping."""
-        skipped: set[int] = set()
-        while True:
-            await asyncio.sleep(1.0)
-            if self.state not in ("training", "paused"):
-                continue
-            change = adopted_layout(self.view, self.spec, self.base_spec, peer_id=self.peer_id, stage=self.stage.index)
-            if change is None and self.config.replan_after > 0 and self.view.complete_reads >= 3:
-                change = replanned_layout(self.view, self.spec, watch, peer_id=self.peer_id, stage=self.stage.index,
-                                          now=time.monotonic(), after=self.config.replan_after)
-                if change is not None:
-                    holders = [p for k in change.unheld for p in watch.last_holders(k)]
-                    answers = await asyncio.gather(*(self._answers_ping(p) for p in holders))
-                    answering = [p for p, answered in zip(holders, answers) if answered]
-                    if answering:
-                        if not skipped >= set(change.unheld):
-                            logger.info(f"stages {list(change.unheld)} look unheld, but {answering[0][-6:]} answers a "
-                                        "ping: not re-planning")
-                        skipped |= set(change.unheld)
-                        continue
-            if change is not None:
-                return change
 
     async def _relayout(self, change: LayoutChange) -> None:
         """Move to ``change``'s layout: finish the in-flight work, serve the old state for a while

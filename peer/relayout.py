@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,16 @@ from hivemind.p2p import P2P
 
 from dht.records import PeerRecord, RunSpec
 from dht.reputation import Reputation
-from peer.backup import HOLDER_STATES, MEMBER_STATES, RescueWatch, StageBackup, pull_copy, serve_backup
+from peer.backup import (
+    CHECK_PERIOD,
+    HOLDER_STATES,
+    MEMBER_STATES,
+    MIN_COMPLETE_READS,
+    RescueWatch,
+    StageBackup,
+    pull_copy,
+    serve_backup,
+)
 from planner.replanning import Layout, choose_layout, replan_layout
 from planner.stage_choice import StageMember
 from replication.server import ReplicationServer
@@ -48,7 +57,7 @@ from swarm.relayout import StatePiece, needed_sources
 from swarm.view import SwarmView
 
 __all__ = ["Handoff", "LayoutChange", "adopted_layout", "gather_pieces", "joiner_layout", "newest_layout_records",
-           "replanned_layout"]
+           "replanned_layout", "wait_layout_change"]
 
 logger = logging.getLogger(__name__)
 HANDOFF_GRACE = 90.0  # seconds a peer serves its old layout's state after it moved on
@@ -187,6 +196,37 @@ def replanned_layout(
     layout_map = tuple(-1 if k is None else k for k in replan.stage_map)
     return LayoutChange(spec=new_spec, layout_map=layout_map, reason="replanned", proposer=peer_id,
                         stage=new_stage_of(spec, new_spec, layout_map, stage), unheld=_unheld(view, spec))
+
+
+async def wait_layout_change(
+    view: SwarmView, spec: RunSpec, base: RunSpec, watch: RescueWatch, *, peer_id: str, stage: int,
+    replan_after: float, is_working: Callable[[], bool], is_answering: Callable[[str], Awaitable[bool]],
+) -> LayoutChange:
+    """Returns once this peer (training or paused, ``is_working``) moves to a new layout: one another
+    peer moved to (:func:`adopted_layout`), or one it re-plans itself (:func:`replanned_layout`, if
+    ``replan_after`` > 0) once its view's reads complete and the lost stages' last holders do not
+    answer ``is_answering`` (a ping): a holder whose record went missing from this view is not dead."""
+    skipped: set[int] = set()
+    while True:
+        await asyncio.sleep(CHECK_PERIOD)
+        if not is_working():
+            continue
+        change = adopted_layout(view, spec, base, peer_id=peer_id, stage=stage)
+        if change is None and replan_after > 0 and view.complete_reads >= MIN_COMPLETE_READS:
+            change = replanned_layout(view, spec, watch, peer_id=peer_id, stage=stage, now=time.monotonic(),
+                                      after=replan_after)
+            if change is not None:
+                holders = [p for k in change.unheld for p in watch.last_holders(k)]
+                answers = await asyncio.gather(*(is_answering(p) for p in holders))
+                answering = [p for p, answered in zip(holders, answers, strict=True) if answered]
+                if answering:
+                    if not skipped >= set(change.unheld):
+                        logger.info(f"stages {list(change.unheld)} look unheld, but {answering[0][-6:]} answers a "
+                                    "ping: not re-planning")
+                    skipped |= set(change.unheld)
+                    continue
+        if change is not None:
+            return change
 
 
 class Handoff:

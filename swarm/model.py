@@ -99,18 +99,14 @@ def stage_flops_per_sample(spec: RunSpec, stage: int) -> float:
     forward and ``4P`` backward; attention adds ``12 · seq · d_model`` per token per block (forward
     and backward of QKᵀ and AV). Embedding lookups are free; the head is a matmul.
     """
-    model = spec.model
     start, end = spec.stage_layers[stage]
-    block_params = 12 * model.d_model * model.d_model
-    per_token = (end - start) * (6 * block_params + 12 * model.seq_len * model.d_model)
-    if stage == spec.num_stages - 1:
-        per_token += 6 * model.d_model * model.vocab_size
-    return float(per_token * model.seq_len)
+    return sum(layer_flops_per_sample(spec)[start:end])  # the last stage holds the last block, with the head
 
 
 def layer_flops_per_sample(spec: RunSpec) -> tuple[float, ...]:
     """Forward + backward FLOPs of one sequence through each block, the head counted with the last
-    block (the per-layer profile the planner re-splits layers by; sums to the stages' costs)."""
+    block (the per-layer profile the planner re-splits layers by; a stage's cost is its blocks' sum).
+    The cost model is :func:`stage_flops_per_sample`'s."""
     model = spec.model
     block_params = 12 * model.d_model * model.d_model
     per_block = float((6 * block_params + 12 * model.seq_len * model.d_model) * model.seq_len)
