@@ -25,7 +25,7 @@ import asyncio
 import logging
 import math
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import hivemind
 import torch
@@ -53,9 +53,13 @@ def keeps_round(aggregation: str, group_size: int, num_members: int) -> bool:
     return aggregation == "mean" or group_size >= MIN_ROBUST_ROWS or num_members < MIN_ROBUST_ROWS
 
 
-def count_active(last_seen: dict[str, float], in_view: set[str], own_id: str, *, since: float) -> int:
-    """Peers of ``in_view`` last seen in a round at ``since`` or later, plus this peer."""
-    return len({p for p, seen in last_seen.items() if seen >= since and p in in_view} | {own_id})
+def count_active(last_seen: dict[str, float], in_view: set[str], own_id: str, *, since: float,
+                 group: Iterable[str] = ()) -> int:
+    """Peers of ``in_view`` last seen in a round at ``since`` or later, plus this peer and the members
+    of this round's ``group``. The group counts: a pair made of this peer and a newcomer, while a third
+    replica averaged with this peer lately, is a pair inside a stage of three (the newcomer has no
+    past round yet, and it may be the Byzantine one)."""
+    return len({p for p, seen in last_seen.items() if seen >= since and p in in_view} | {own_id} | set(group))
 
 
 class StageAverager:
@@ -118,15 +122,17 @@ class StageAverager:
                 return
             if len(self.view.members(self.stage.index)) < 2:
                 continue  # alone in the stage: nobody to average with this round
-            await self.run_round(at, stop, num_members=self.active_members(at))
+            await self.run_round(at, stop)
             self.report_outliers()
 
-    def active_members(self, now: float) -> int:
+    def active_members(self, now: float, group: Iterable[str] = ()) -> int:
         """Replicas of this stage that averaged with this peer in the last ``ACTIVE_ROUNDS`` periods
-        and are still in the view, this peer included. A peer that only announces itself in the stage
-        and never averages is not counted, so it cannot make the others drop every pair round."""
+        and are still in the view, this peer and this round's ``group`` included. A peer that only
+        announces itself in the stage and never averages is not counted, so it cannot make the others
+        drop every pair round."""
         in_view = {r.peer_id for r in self.view.members(self.stage.index)}
-        return count_active(self.last_seen, in_view, self.peer_id, since=now - ACTIVE_ROUNDS * self.period)
+        return count_active(self.last_seen, in_view, self.peer_id, since=now - ACTIVE_ROUNDS * self.period,
+                            group=group)
 
     def report_outliers(self) -> None:
         """Pass on what the reducers refused or out-voted (a report may arrive a round late: it
@@ -143,7 +149,10 @@ class StageAverager:
             logger.warning(f"averaging ({report['aggregation']}) of stage {self.stage.index}: " + "; ".join(findings))
             self.on_outliers(report)
 
-    async def run_round(self, at: float, stop: asyncio.Event, *, num_members: int = 2) -> bool:
+    async def run_round(self, at: float, stop: asyncio.Event, *, num_members: int | None = None) -> bool:
+        """One round at ``at``; True if its result was applied. ``num_members`` (tests) fixes the stage
+        size :func:`keeps_round` sees; by default it is :meth:`active_members`, counted before this
+        round's group enters ``last_seen`` (so this round's members count once, whoever they are)."""
         control = self.averager.step(scheduled_time=at, require_trigger=True, wait=False,
                                      timeout=self.matchmaking_time + PREPARE_AHEAD + 2.0, allow_retries=False)
         await _sleep_until(at, stop)
@@ -162,8 +171,11 @@ class StageAverager:
             if not group:
                 self.num_failed_rounds += 1
                 return False
-            for peer_id in group:
-                self.last_seen[str(peer_id)] = at
+            members = [str(peer_id) for peer_id in group]
+            if num_members is None:
+                num_members = self.active_members(at, group=members)
+            for peer_id in members:
+                self.last_seen[peer_id] = at
             if not keeps_round(self.aggregation, len(group), num_members):
                 self.num_discarded_rounds += 1
                 logger.info(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, a pair of "

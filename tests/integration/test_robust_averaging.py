@@ -9,8 +9,10 @@ import time
 import pytest
 import torch
 
-from dht.records import ModelSpec, RunSpec
-from dht.registry import dht_time
+from hivemind.utils import get_dht_time
+
+from dht.records import ModelSpec, PeerRecord, RunSpec
+from dht.registry import declare_peer, dht_time
 from swarm.averaging import StageAverager
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -111,6 +113,46 @@ def test_a_pair_in_a_stage_of_three_drops_its_round_and_keeps_its_own_state(dht_
         assert asyncio.run(one_round(num_members=2)) == [True, True]  # the stage has only these two: the mean
         assert stages[0].params_digest() == stages[1].params_digest()
         torch.testing.assert_close(flat(stages[0]), (before[0] + before[1]) / 2, rtol=0, atol=1e-6)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_a_pair_with_a_newcomer_is_dropped_by_the_replica_that_averaged_with_a_third(dht_nodes):
+    # CI: a replica that had averaged with the other honest one formed a pair with a Byzantine newcomer
+    # (never averaged, so it did not count), kept it, and took half its state: honest loss +112 %
+    stages = [Stage(SPEC, 1, device=torch.device("cpu")) for _ in range(3)]  # a, b, and the newcomer
+    for seed, stage in enumerate(stages):
+        drift(stage, seed=seed, scale=100.0 if seed == 2 else 1.0)
+    nodes = dht_nodes[1:]
+    views = [SwarmView(dht, SPEC.run_id) for dht, _ in nodes]
+    averagers = [StageAverager(stage, dht, view, client_mode=False, matchmaking_time=1.5)
+                 for stage, view, (dht, _) in zip(stages, views, nodes)]
+    dropped = []
+    averagers[0].on_discard = lambda at, size, members: dropped.append((size, members))
+
+    async def announce_all() -> None:
+        for dht, validator in nodes:
+            record = PeerRecord(peer_id=dht.peer_id.to_base58(), role="reliable", state="training", stage=1,
+                                flops=1e9, announced_at=get_dht_time())
+            assert await declare_peer(dht, validator, SPEC.run_id, record, ttl=60)
+        assert len((await views[0].refresh())) == 3
+
+    async def one_round(pair: list[StageAverager]) -> list[bool]:
+        at, stop = dht_time() + 3.0, asyncio.Event()
+        return await asyncio.gather(*(a.run_round(at, stop) for a in pair))
+
+    try:
+        asyncio.run(announce_all())
+        # a and b: nobody else has averaged with a, so this pair is the stage as far as a knows
+        assert asyncio.run(one_round(averagers[:2])) == [True, True]
+        assert dropped == []
+        before = flat(stages[0]).clone()
+        # a and the newcomer: a averaged with b a period ago and b is still in the view, so it drops the pair
+        kept = asyncio.run(one_round([averagers[0], averagers[2]]))
+        assert kept[0] is False and dropped == [(2, 3)], (kept, dropped)
+        assert torch.equal(flat(stages[0]), before), "a dropped round changed the honest replica's state"
     finally:
         for averager in averagers:
             averager.shutdown()
