@@ -19,7 +19,8 @@ signal); each hop sends to the planned peer and, if it is gone, to the first liv
 :func:`substitute_order`, so replays of one microbatch meet the replicas that already counted it.
 When the failure detector or a leave notice says a peer is gone, :meth:`Router.peer_down` stops
 sending it new work; a call to a peer that hangs fails at an adaptive deadline
-(:meth:`Router.call_timeout`: a multiple of the measured round trips).
+(:meth:`Router.call_timeout`: a multiple of the measured round trips, longer for a peer whose own
+answers come slowly, e.g. over a slow link).
 
 With a :class:`~swarm.spot_check.SpotChecker`, every request asks for a fingerprint of the outputs,
 and a fraction of the answers is recomputed by another replica of the next stage and compared.
@@ -54,6 +55,13 @@ from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 MIN_CALL_TIMEOUT = 5.0  # seconds: the adaptive deadline of a forward call never goes below this
+OWN_CALLS = 20  # answered calls per peer that set its own deadline (a peer on a slow link)
+OWN_MARGIN = 2.0  # a peer's own deadline: this many times its slowest recent answered call
+PROBE_FACTOR = 2.0  # after a timeout, the next call to that peer waits this many times the common deadline
+MAX_TRACKED = 1024  # peers whose own call durations are kept
+LATENCY_EMA = 0.3  # weight of the newest call in a peer's smoothed call duration
+LATENCY_TOLERANCE = 2.0  # a peer up to this many times slower than the fastest candidate keeps its full weight
+MIN_LATENCY_FACTOR = 0.02  # the least share a slow candidate's weight is cut to (it is still measured)
 
 
 class NoPeerAvailableError(Declined):
@@ -62,13 +70,31 @@ class NoPeerAvailableError(Declined):
     code = "unrouted"
 
 
-def hop_weights(candidates: Sequence[PeerRecord], in_flight: Counter, stage_flops: float) -> list[float]:
+def hop_weights(candidates: Sequence[PeerRecord], in_flight: Counter, stage_flops: float,
+                latency: dict[str, float] | None = None) -> list[float]:
     """Selection weight of each candidate: advertised throughput, capped at ``MAX_CLAIM_RATIO`` times
     the candidates' median (``planner.claims``: one liar cannot draw all the traffic), over (1 + our
-    in-flight to it)."""
+    in-flight to it), times :func:`latency_factors` of the measured call durations (``latency``:
+    peer id -> smoothed seconds; a peer on a slow link advertises its compute, not its link)."""
     throughputs = cap_to_median([r.samples_per_s if r.samples_per_s > 0 else r.flops / stage_flops
                                  for r in candidates])
-    return [max(throughput, 1e-9) / (1 + in_flight[r.peer_id]) for r, throughput in zip(candidates, throughputs, strict=True)]
+    factors = latency_factors([(latency or {}).get(r.peer_id) for r in candidates])
+    return [max(throughput, 1e-9) / (1 + in_flight[r.peer_id]) * factor
+            for r, throughput, factor in zip(candidates, throughputs, factors, strict=True)]
+
+
+def latency_factors(latencies: Sequence[float | None]) -> list[float]:
+    """Each candidate's weight factor from its measured call duration: 1 up to
+    :data:`LATENCY_TOLERANCE` times the fastest measured candidate, beyond it that bound over the
+    duration (a peer 40x slower than the fastest gets 1/20 of its share), never below
+    :data:`MIN_LATENCY_FACTOR`, so a slow peer is still called and measured again. Unmeasured
+    candidates get 1. A claim cannot raise a share here, only answering fast (and a fast wrong
+    answer is what spot checks catch)."""
+    measured = [t for t in latencies if t is not None and t > 0]
+    if not measured:
+        return [1.0] * len(latencies)
+    bound = LATENCY_TOLERANCE * min(measured)
+    return [1.0 if t is None or t <= bound else max(MIN_LATENCY_FACTOR, bound / t) for t in latencies]
 
 
 def substitute_order(mb_id: str, peer_ids: Sequence[str]) -> list[str]:
@@ -116,6 +142,9 @@ class Router:
         self.failed_until: dict[str, float] = {}
         self.num_failures = 0
         self._durations: collections.deque[float] = collections.deque(maxlen=200)  # answered calls, seconds
+        self._own_durations: dict[str, collections.deque[float]] = {}  # per peer, its answered calls
+        self._probe: dict[str, float] = {}  # peer -> the longer deadline of its next call, after a timeout
+        self.latency: dict[str, float] = {}  # peer -> smoothed duration of its calls (a timeout counts its deadline)
 
     def _available(self, peer_id: str, now: float) -> bool:
         return (self.failed_until.get(peer_id, 0.0) <= now and not self.view.is_gone(peer_id)
@@ -126,7 +155,7 @@ class Router:
         candidates = [r for r in self.view.members(self.next_stage) if r.peer_id not in exclude and self._available(r.peer_id, now)]
         if not candidates:
             return None
-        weights = hop_weights(candidates, self.in_flight, self.next_stage_flops)
+        weights = hop_weights(candidates, self.in_flight, self.next_stage_flops, self.latency)
         return self.rng.choices(candidates, weights=weights, k=1)[0]
 
     def plan_path(self, stage_flops: Sequence[float]) -> list[str]:
@@ -140,7 +169,7 @@ class Router:
             if not candidates:
                 path.append("")
                 continue
-            weights = hop_weights(candidates, self.path_in_flight, stage_flops[stage])
+            weights = hop_weights(candidates, self.path_in_flight, stage_flops[stage], self.latency)
             path.append(self.rng.choices(candidates, weights=weights, k=1)[0].peer_id)
         return path
 
@@ -177,14 +206,50 @@ class Router:
         suspected (a busy host stalls) would get its microbatch counted by two replicas."""
         self.failed_until[peer_id] = time.monotonic() + self.failure_cooldown
 
-    def call_timeout(self) -> float:
+    def call_timeout(self, target: str | None = None) -> float:
         """Deadline of one forward call: 8x the 95th percentile of the last answered calls (which
         include the whole rest of the pipeline), at least ``MIN_CALL_TIMEOUT``, at most
-        ``request_timeout``; ``request_timeout`` until 20 calls were measured."""
+        ``request_timeout``; ``request_timeout`` until 20 calls were measured.
+
+        A peer on a slow link (1 Mbit/s: 4 s per activation each way) answers after that deadline,
+        so every call to it timed out, was struck, and the peer was banned without ever being
+        measured. So ``target``'s deadline is also at least :data:`OWN_MARGIN` times its slowest
+        of its last :data:`OWN_CALLS` answered calls, and after a timeout its next call waits
+        :data:`PROBE_FACTOR` times as long. Calls that took longer than the common deadline are kept
+        out of the common percentile: one slow peer does not slow the detection of a hung fast one.
+        A peer that never answers still times out at twice the common deadline and is struck each time.
+        """
         if len(self._durations) < 20:
-            return self.request_timeout
-        p95 = sorted(self._durations)[int(0.95 * (len(self._durations) - 1))]
-        return min(self.request_timeout, max(MIN_CALL_TIMEOUT, 8 * p95))
+            common = self.request_timeout
+        else:
+            p95 = sorted(self._durations)[int(0.95 * (len(self._durations) - 1))]
+            common = min(self.request_timeout, max(MIN_CALL_TIMEOUT, 8 * p95))
+        if target is None:
+            return common
+        own = self._own_durations.get(target)
+        own_deadline = OWN_MARGIN * max(own) if own else 0.0
+        return min(self.request_timeout, max(common, own_deadline, self._probe.get(target, 0.0)))
+
+    def _smooth_latency(self, target: str, seconds: float) -> None:
+        if target not in self.latency and len(self.latency) > MAX_TRACKED:
+            self.latency.clear()
+        before = self.latency.get(target)
+        self.latency[target] = seconds if before is None else (1 - LATENCY_EMA) * before + LATENCY_EMA * seconds
+
+    def _record_answer(self, target: str, duration: float) -> None:
+        self._probe.pop(target, None)
+        self._smooth_latency(target, duration)
+        if duration <= self.call_timeout():
+            self._durations.append(duration)
+        if target not in self._own_durations and len(self._own_durations) > MAX_TRACKED:
+            self._own_durations.clear()  # peers come and go: forget them all rather than grow
+        self._own_durations.setdefault(target, collections.deque(maxlen=OWN_CALLS)).append(duration)
+
+    def _record_timeout(self, target: str, deadline: float) -> None:
+        self._smooth_latency(target, deadline)  # it took at least that long
+        if len(self._probe) > MAX_TRACKED:
+            self._probe.clear()
+        self._probe[target] = min(self.request_timeout, PROBE_FACTOR * self.call_timeout())
 
     async def forward(
         self, header: dict[str, Any], tensors: Sequence[torch.Tensor]
@@ -208,20 +273,23 @@ class Router:
                 break
             tried.add(target)
             self.in_flight[target] += 1
-            started = time.monotonic()
+            started, deadline = time.monotonic(), self.call_timeout(target)
             try:
                 answer = await call_peer(
                     self.p2p, target, forward_handler(self.run_id), header, tensors,
-                    timeout=self.call_timeout(), max_payload_bytes=self.max_payload_bytes,
+                    timeout=deadline, max_payload_bytes=self.max_payload_bytes,
                 )
-                self._durations.append(time.monotonic() - started)
+                self._record_answer(target, time.monotonic() - started)
                 return self._answered(target, header, tensors, answer)
             except (PeerUnavailableError, RemoteError) as e:
                 self.num_failures += 1
+                if isinstance(e.__cause__, TimeoutError):
+                    self._record_timeout(target, deadline)
                 if getattr(e, "code", "") != "unrouted":  # it answered: only the stage after it failed
                     self.failed_until[target] = time.monotonic() + self.failure_cooldown
                     if self.reputation is not None:
-                        self.reputation.strike(target, f"a forward call failed: {e}")
+                        self.reputation.strike(target, f"a forward call failed after {time.monotonic() - started:.1f}s "
+                                                       f"(deadline {deadline:.1f}s): {e}")
                 errors.append(str(e))
                 logger.debug(f"microbatch {mb_id} failed at {target[-6:]}: {e}")
             finally:

@@ -1,0 +1,94 @@
+"""The forward call's adaptive deadline and the hop weights' measured latency: a slow but answering peer
+gets its own deadline and a smaller share of the calls; a hung one does not get a longer deadline."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from dht.records import PeerRecord
+from swarm.router import (
+    LATENCY_TOLERANCE,
+    MIN_CALL_TIMEOUT,
+    MIN_LATENCY_FACTOR,
+    OWN_MARGIN,
+    PROBE_FACTOR,
+    Router,
+    hop_weights,
+    latency_factors,
+)
+
+REQUEST_TIMEOUT = 60.0
+
+
+def router() -> Router:
+    # the deadline arithmetic touches neither the transport nor the view
+    return Router(None, None, run_id="r", next_stage=1, next_stage_flops=1.0, request_timeout=REQUEST_TIMEOUT,
+                  max_payload_bytes=1 << 20, rng=random.Random(0))
+
+
+def warmed() -> Router:
+    r = router()
+    for _ in range(40):
+        r._record_answer("fast", 0.2)
+    assert r.call_timeout() == MIN_CALL_TIMEOUT  # 8 x 0.2 s is below the floor
+    return r
+
+
+def test_the_request_timeout_holds_until_twenty_calls_were_measured():
+    r = router()
+    for _ in range(19):
+        r._record_answer("fast", 0.2)
+    assert r.call_timeout() == r.call_timeout("fast") == REQUEST_TIMEOUT
+    r._record_answer("fast", 0.2)
+    assert r.call_timeout() == MIN_CALL_TIMEOUT
+
+
+def test_after_a_timeout_the_next_call_to_that_peer_waits_longer_and_an_answer_sets_its_own_deadline():
+    r = warmed()
+    assert r.call_timeout("slow") == MIN_CALL_TIMEOUT
+    r._record_timeout("slow", MIN_CALL_TIMEOUT)
+    assert r.call_timeout("slow") == PROBE_FACTOR * MIN_CALL_TIMEOUT
+    assert r.call_timeout("fast") == r.call_timeout() == MIN_CALL_TIMEOUT  # nobody else waits longer
+    r._record_answer("slow", 8.5)  # an activation each way at 1 Mbit/s
+    assert r.call_timeout("slow") == OWN_MARGIN * 8.5
+    assert r.call_timeout() == MIN_CALL_TIMEOUT  # a call slower than the common deadline stays out of it
+    for _ in range(10):
+        r._record_answer("slow", 40.0)
+    assert r.call_timeout("slow") == REQUEST_TIMEOUT  # never beyond the request timeout
+
+
+def test_a_peer_that_never_answers_keeps_a_bounded_deadline():
+    r = warmed()
+    for _ in range(10):
+        r._record_timeout("hung", MIN_CALL_TIMEOUT)
+    assert r.call_timeout("hung") == PROBE_FACTOR * MIN_CALL_TIMEOUT  # it does not grow with each timeout
+
+
+def test_own_deadlines_follow_the_recent_calls():
+    r = warmed()
+    r._record_answer("slow", 9.0)
+    for _ in range(25):
+        r._record_answer("slow", 1.0)  # the link is back: the slow call ages out
+    assert r.call_timeout("slow") == r.call_timeout() < OWN_MARGIN * 9.0
+
+
+def test_a_peer_much_slower_than_the_fastest_gets_a_smaller_share():
+    assert latency_factors([None, None]) == [1.0, 1.0]
+    assert latency_factors([0.3, 0.5, None]) == [1.0, 1.0, 1.0]  # within the tolerance: jitter moves nothing
+    factors = latency_factors([0.3, 8.5])  # a replica behind a 1 Mbit/s link
+    assert factors[0] == 1.0 and factors[1] == pytest.approx(LATENCY_TOLERANCE * 0.3 / 8.5)
+    assert latency_factors([0.1, 1e6])[1] == MIN_LATENCY_FACTOR  # still called now and then, so measured again
+
+
+def test_the_router_learns_a_slow_peer_from_its_answers_and_timeouts():
+    r = warmed()
+    r._record_answer("slow", 8.5)
+    r._record_timeout("slow", 10.0)
+    assert r.latency["slow"] == pytest.approx(0.7 * 8.5 + 0.3 * 10.0)
+    assert r.latency["fast"] == pytest.approx(0.2)
+    candidates = [PeerRecord(peer_id=p, role="reliable", state="training", stage=1, flops=1e9) for p in ("fast", "slow")]
+    fast, slow = hop_weights(candidates, Counter(), 1e9, r.latency)
+    assert slow / fast == pytest.approx(LATENCY_TOLERANCE * 0.2 / r.latency["slow"])
