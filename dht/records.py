@@ -205,6 +205,8 @@ class PeerRecord:
         stage_layers: that layout's block ranges per stage; empty means the run spec's own.
         layout_map: per stage of the layout before it, the stage that took its place (-1: it
             vanished); empty under the run spec's own layout.
+        memory_bytes: the memory it may use for a stage (``--max-memory-mb``, or what its device had
+            free when it started), so a re-plan gives it no more layers than it can hold; 0: not said.
         peer_key: the libp2p public key its peer id hashes (RSA identities; empty when the peer id
             inlines the key, as Ed25519 ones do).
         peer_signature: the binding: the identity key's signature of the run id and the record key
@@ -234,6 +236,7 @@ class PeerRecord:
     layout_version: int = 0
     stage_layers: tuple[tuple[int, int], ...] = ()
     layout_map: tuple[int, ...] = ()
+    memory_bytes: int = 0
     peer_key: bytes = b""
     peer_signature: bytes = b""
 
@@ -254,7 +257,8 @@ class PeerRecord:
         _check_float("averaged_at", self.averaged_at, 0.0, 1e11)
         if not isinstance(self.loss, (int, float)) or isinstance(self.loss, bool) or math.isinf(self.loss):
             raise ValueError("loss must be a finite number or NaN (none yet)")
-        for name in ("num_samples", "version", "bytes_sent", "bytes_received", "backup_version", "layout_version"):
+        for name in ("num_samples", "version", "bytes_sent", "bytes_received", "backup_version", "layout_version",
+                     "memory_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
                 raise ValueError(f"{name} must be a non-negative integer")

@@ -147,6 +147,7 @@ class Peer:
         self.checkpoint_progress: WriteProgress | None = None  # the last (or current) checkpoint write
         self._stage_trained = False  # the current stage has its state and served: it may be checkpointed
         self._layout_map: tuple[int, ...] = ()  # how the current layout derives from the one before
+        self.memory_budget = 0  # bytes this peer may use for a stage, set by the first memory check
 
     def log_prefix(self) -> str:
         stage = f" stage {self.stage.index} step {self.stage.version}" if self.stage else ""
@@ -261,6 +262,8 @@ class Peer:
     def _check_memory(self, stage_index: int, device: torch.device) -> None:
         needed = stage_memory_bytes(self.spec, stage_index, max_in_flight=self.config.max_in_flight)
         budget = self.config.max_memory_mb * MIB if self.config.max_memory_mb else available_memory_bytes(device)
+        if not self.memory_budget:  # before this peer held a stage: what it offers re-plans (records)
+            self.memory_budget = int(budget)
         if needed > budget:
             source = "--max-memory-mb allows" if self.config.max_memory_mb else f"{device} has available"
             raise UserError(
@@ -476,7 +479,7 @@ class Peer:
         layout = asyncio.create_task(wait_layout_change(
             self.view, spec, self.base_spec, watch, peer_id=self.peer_id, stage=stage.index,
             replan_after=config.replan_after, is_working=lambda: self.state in HOLDER_STATES,
-            is_answering=self._answers_ping), name="layout")
+            is_answering=self._answers_ping, max_in_flight=config.max_in_flight), name="layout")
         self._tasks += [rescue, layout]
         await self._wait_stop(stop)
         train_stop.set()
@@ -724,6 +727,7 @@ class Peer:
             layout_version=self.spec.layout_version if self.spec else 0,
             stage_layers=self.spec.stage_layers if self.spec and self.spec.layout_version else (),
             layout_map=self._layout_map if self.spec and self.spec.layout_version else (),
+            memory_bytes=self.memory_budget,
         )
 
     async def _heartbeat_once(self, stage: int | None = None) -> None:

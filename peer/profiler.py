@@ -14,7 +14,7 @@ import time
 import torch
 
 from dht.records import ModelSpec, RunSpec
-from swarm.model import Block, stage_num_params
+from swarm.model import Block, layer_num_params
 
 BYTES_PER_PARAM_TRAINING = 4 * 4  # float32 weight, gradient, and AdamW's two moments
 ACTIVATION_FACTOR = 20  # saved activations per block per token, in units of d_model floats
@@ -44,14 +44,21 @@ def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 5) -
 
 def stage_memory_bytes(spec: RunSpec, stage: int, *, max_in_flight: int) -> int:
     """Bytes a peer needs to train ``stage``: parameters with optimizer state, activations, overhead."""
-    model = spec.model
     start, end = spec.stage_layers[stage]
-    params = stage_num_params(spec, stage) * BYTES_PER_PARAM_TRAINING
+    return sum(layer_memory_bytes(spec, max_in_flight=max_in_flight)[start:end]) + FIXED_OVERHEAD_BYTES
+
+
+def layer_memory_bytes(spec: RunSpec, *, max_in_flight: int) -> tuple[int, ...]:
+    """Bytes training each block takes on one peer, without the fixed overhead: its parameters with
+    gradients and optimizer state, and its activations for ``max_in_flight`` microbatches. The
+    embeddings count with the first block, the head and its logits with the last
+    (:func:`swarm.model.layer_num_params`). A stage needs its blocks' sum plus ``FIXED_OVERHEAD_BYTES``."""
+    model = spec.model
     tokens_in_flight = max_in_flight * spec.microbatch_size * model.seq_len
-    activations = tokens_in_flight * (end - start) * ACTIVATION_FACTOR * model.d_model * 4
-    if stage == spec.num_stages - 1:
-        activations += tokens_in_flight * model.vocab_size * 4 * 3  # logits, softmax and its gradient
-    return params + activations + FIXED_OVERHEAD_BYTES
+    activations = tokens_in_flight * ACTIVATION_FACTOR * model.d_model * 4
+    sizes = [params * BYTES_PER_PARAM_TRAINING + activations for params in layer_num_params(spec)]
+    sizes[-1] += tokens_in_flight * model.vocab_size * 4 * 3  # logits, softmax and its gradient
+    return tuple(sizes)
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -48,7 +48,8 @@ from peer.backup import (
     pull_copy,
     serve_backup,
 )
-from planner.replanning import Layout, choose_layout, replan_layout
+from peer.profiler import FIXED_OVERHEAD_BYTES, layer_memory_bytes, stage_memory_bytes
+from planner.replanning import Layout, MemoryBudgetError, choose_layout, replan_layout
 from planner.stage_choice import StageMember
 from replication.server import ReplicationServer
 from replication.transfer import TransferError
@@ -182,14 +183,25 @@ def newest_layout_records(view: SwarmView, base: RunSpec | None) -> tuple[RunSpe
 
 def replanned_layout(
     view: SwarmView, spec: RunSpec, watch: RescueWatch, *, peer_id: str, stage: int, now: float, after: float,
+    max_in_flight: int,
 ) -> LayoutChange | None:
     """The layout this peer re-plans to, once a stage no peer may rescue has been unheld for ``after``
-    seconds (``RescueWatch.unrescuable``); None otherwise. The caller pings the stage's last holders first."""
+    seconds (``RescueWatch.unrescuable``); None otherwise. The caller pings the stage's last holders first.
+
+    No member gets more layers than the memory its record offers (:func:`offered_memory`; the
+    layers' needs by :func:`peer.profiler.layer_memory_bytes`, with this peer's ``max_in_flight``).
+
+    Raises:
+        MemoryBudgetError: no split over the surviving stages fits their members' memory.
+    """
     if not watch.unrescuable or min(now - since for since in watch.unrescuable.values()) < after:
         return None
-    members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops) for r in view.records
-               if 0 <= r.stage < spec.num_stages and r.state in MEMBER_STATES]
-    replan = replan_layout(spec.stage_layers, layer_flops_per_sample(spec), members)
+    members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops,
+                           memory_bytes=offered_memory(r, spec, max_in_flight=max_in_flight))
+               for r in view.records if 0 <= r.stage < spec.num_stages and r.state in MEMBER_STATES]
+    replan = replan_layout(spec.stage_layers, layer_flops_per_sample(spec), members,
+                           layer_bytes=layer_memory_bytes(spec, max_in_flight=max_in_flight),
+                           overhead_bytes=FIXED_OVERHEAD_BYTES)
     if replan is None:
         return None
     new_spec = spec.with_layout(spec.layout_version + 1, replan.stage_layers)
@@ -198,23 +210,40 @@ def replanned_layout(
                         stage=new_stage_of(spec, new_spec, layout_map, stage), unheld=_unheld(view, spec))
 
 
+def offered_memory(record: PeerRecord, spec: RunSpec, *, max_in_flight: int) -> int:
+    """The memory ``record``'s peer offers a re-planned stage: its ``memory_bytes``, but at least what
+    the stage it trains now needs (it holds that stage already, so a smaller claim is wrong, and it
+    would only serve to make a re-plan impossible); 0 (no limit) when it did not say."""
+    if record.memory_bytes <= 0:
+        return 0
+    return max(record.memory_bytes, stage_memory_bytes(spec, record.stage, max_in_flight=max_in_flight))
+
+
 async def wait_layout_change(
     view: SwarmView, spec: RunSpec, base: RunSpec, watch: RescueWatch, *, peer_id: str, stage: int,
     replan_after: float, is_working: Callable[[], bool], is_answering: Callable[[str], Awaitable[bool]],
+    max_in_flight: int,
 ) -> LayoutChange:
     """Returns once this peer (training or paused, ``is_working``) moves to a new layout: one another
     peer moved to (:func:`adopted_layout`), or one it re-plans itself (:func:`replanned_layout`, if
     ``replan_after`` > 0) once its view's reads complete and the lost stages' last holders do not
     answer ``is_answering`` (a ping): a holder whose record went missing from this view is not dead."""
     skipped: set[int] = set()
+    refused = ""  # the last reason a re-plan was impossible (logged once)
     while True:
         await asyncio.sleep(CHECK_PERIOD)
         if not is_working():
             continue
         change = adopted_layout(view, spec, base, peer_id=peer_id, stage=stage)
         if change is None and replan_after > 0 and view.complete_reads >= MIN_COMPLETE_READS:
-            change = replanned_layout(view, spec, watch, peer_id=peer_id, stage=stage, now=time.monotonic(),
-                                      after=replan_after)
+            try:
+                change = replanned_layout(view, spec, watch, peer_id=peer_id, stage=stage, now=time.monotonic(),
+                                          after=replan_after, max_in_flight=max_in_flight)
+            except MemoryBudgetError as e:
+                if str(e) != refused:
+                    logger.warning(f"cannot re-plan around the lost stages, waiting for a volunteer: {e}")
+                refused = str(e)
+                continue
             if change is not None:
                 holders = [p for k in change.unheld for p in watch.last_holders(k)]
                 answers = await asyncio.gather(*(is_answering(p) for p in holders))

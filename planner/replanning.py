@@ -17,6 +17,7 @@ seed 001 "topology-driven model replication").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from planner.assembly import assemble_plan
 from planner.costs import estimate_stage_costs, profile_group
-from planner.layer_split import split_layers
+from planner.layer_split import split_by_matrices, split_layers
 from planner.plan import Plan
 from planner.plan import Stage as PlanStage
 from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot
@@ -100,15 +101,13 @@ def replan_after_failure(snapshot: SwarmSnapshot, plan: Plan, failed_peer_ids: s
         if not np.all(np.isfinite(estimate_stage_costs(snapshot, candidate))):
             bounds, _ = split_layers(snapshot, [profile_group(snapshot, s, c) for s, c in groups])
     new_plan = assemble_plan(snapshot, groups, bounds)
-    old_owner = [plan.stage_of_layer(layer) for layer in range(plan.num_layers)]
-    alive = {k for k, _, _ in survivors}
-    migrations = []
-    for new_index, stage in enumerate(new_plan.stages):
-        for layer in range(stage.layer_start, stage.layer_end):
-            old = old_owner[layer]
-            if old != survivors[new_index][0]:
-                migrations.append(LayerMigration(layer=layer, from_stage=old if old in alive else None, to_stage=new_index))
-    return ReplanDecision(plan=new_plan, migrations=tuple(migrations), released_peer_ids=tuple(sorted(released)))
+    migrations = layer_migrations([(s.layer_start, s.layer_end) for s in plan.stages], [k for k, _, _ in survivors],
+                                  [(s.layer_start, s.layer_end) for s in new_plan.stages])
+    return ReplanDecision(plan=new_plan, migrations=migrations, released_peer_ids=tuple(sorted(released)))
+
+
+class MemoryBudgetError(ValueError):
+    """No split of the layers over the surviving stages fits every member's memory budget."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,22 +142,31 @@ VANISHED = "~vanished-"  # placeholder server id of a stage nobody holds (never 
 
 def replan_layout(
     stage_layers: tuple[tuple[int, int], ...], layer_flops: tuple[float, ...], members: Sequence[StageMember],
+    *, layer_bytes: tuple[float, ...] | None = None, overhead_bytes: float = 0.0,
 ) -> LayoutReplan | None:
     """Seed 001 §3.4 for a running swarm: the stages no member holds vanish and their layers are
     re-split over the surviving stages by :func:`replan_after_failure` (by the stages' computing
     capacity: the sum of their members' FLOP/s). None when every stage is held.
 
-    The peers' memory budgets and links are not in their records, so the snapshot has ample memory
-    and uniform links: only the capacity split decides (a peer checks its own memory afterwards).
-    Deterministic: the same layout and members, in any order, give the same answer.
+    Memory: with ``layer_bytes`` (what training each layer takes on one peer: weights, gradients,
+    optimizer state, activations in flight; the embedding counted with the first layer and the head
+    with the last), every member of a new stage must hold its layers' sum plus ``overhead_bytes``
+    within its ``memory_bytes`` (members that did not say are not limited). If the capacity split
+    breaks a budget, the split minimising the largest FLOPs-per-capacity among the splits that fit
+    is taken instead (a bottleneck DP, as in ``layer_split``). Links are not in the records, so
+    they are taken as uniform. Deterministic: the same layout and members, in any order, give the
+    same answer.
 
     Raises:
-        ValueError: no stage is held, a member is outside the stages, or ``layer_flops`` does not
-            match the layout.
+        ValueError: no stage is held, a member is outside the stages, or ``layer_flops`` (or
+            ``layer_bytes``) does not match the layout.
+        MemoryBudgetError: no split of the layers over the surviving stages fits the budgets.
     """
     num_layers = stage_layers[-1][1]
     if len(layer_flops) != num_layers:
         raise ValueError(f"{len(layer_flops)} layer costs for a layout of {num_layers} layers")
+    if layer_bytes is not None and len(layer_bytes) != num_layers:
+        raise ValueError(f"{len(layer_bytes)} layer sizes for a layout of {num_layers} layers")
     holders: list[list[StageMember]] = [[] for _ in stage_layers]
     for member in members:
         if not 0 <= member.stage < len(stage_layers):
@@ -183,9 +191,69 @@ def replan_layout(
         for k, (start, end) in enumerate(stage_layers)))
     decision = replan_after_failure(snapshot, plan, {f"{VANISHED}{k}" for k in vanished})
     survivors = [k for k in range(len(stage_layers)) if k not in vanished]
+    new_layers = tuple((s.layer_start, s.layer_end) for s in decision.plan.stages)
+    migrations = decision.migrations
+    if layer_bytes is not None:
+        budgets = [stage_budget(holders[k], overhead_bytes) for k in survivors]
+        if not fits_budgets(new_layers, layer_bytes, budgets):
+            capacities = [sum(max(m.flops, 1.0) for m in holders[k]) for k in survivors]
+            new_layers = split_within_budgets(layer_flops, layer_bytes, capacities, budgets)
+            migrations = layer_migrations(stage_layers, survivors, new_layers)
     stage_map = tuple(survivors.index(k) if k in survivors else None for k in range(len(stage_layers)))
-    return LayoutReplan(stage_layers=tuple((s.layer_start, s.layer_end) for s in decision.plan.stages),
-                        stage_map=stage_map, migrations=decision.migrations)
+    return LayoutReplan(stage_layers=new_layers, stage_map=stage_map, migrations=migrations)
+
+
+def stage_budget(members: Sequence[StageMember], overhead_bytes: float) -> float:
+    """The bytes every one of ``members`` can give a stage's layers: the smallest stated budget less
+    ``overhead_bytes`` (infinite when no member stated one)."""
+    stated = [m.memory_bytes for m in members if m.memory_bytes > 0]
+    return min(stated) - overhead_bytes if stated else math.inf
+
+
+def fits_budgets(stage_layers: Sequence[tuple[int, int]], layer_bytes: Sequence[float], budgets: Sequence[float]) -> bool:
+    """Whether every stage's layers fit its budget."""
+    return all(sum(layer_bytes[start:end]) <= budget for (start, end), budget in zip(stage_layers, budgets, strict=True))
+
+
+def split_within_budgets(layer_flops: Sequence[float], layer_bytes: Sequence[float], capacities: Sequence[float],
+                         budgets: Sequence[float]) -> tuple[tuple[int, int], ...]:
+    """Contiguous ranges, one per stage in order, minimising the largest ``FLOPs / capacity`` among the
+    splits whose every stage fits its budget.
+
+    Raises:
+        MemoryBudgetError: no such split exists.
+    """
+    num_layers = len(layer_flops)
+    prefix_flops = np.concatenate([[0.0], np.cumsum(layer_flops)])
+    prefix_bytes = np.concatenate([[0.0], np.cumsum(layer_bytes)])
+    a, b = np.meshgrid(np.arange(num_layers + 1), np.arange(num_layers + 1), indexing="ij")
+    costs = []
+    for capacity, budget in zip(capacities, budgets, strict=True):
+        cost = (prefix_flops[b] - prefix_flops[a]) / capacity
+        fits = (b > a) & (prefix_bytes[b] - prefix_bytes[a] <= budget)
+        costs.append(np.where(fits, cost, np.inf))
+    bounds, bottleneck = split_by_matrices(costs)
+    if not math.isfinite(bottleneck):
+        need = max(layer_bytes) if layer_bytes else 0.0
+        raise MemoryBudgetError(f"no split of {num_layers} layers over {len(capacities)} stages fits their members' "
+                                f"memory (the largest layer alone needs {need / 2**20:.0f} MiB)")
+    starts = (0,) + tuple(bounds[:-1])
+    return tuple(zip(starts, bounds))
+
+
+def layer_migrations(old_layers: Sequence[tuple[int, int]], survivors: Sequence[int],
+                     new_layers: Sequence[tuple[int, int]]) -> tuple[LayerMigration, ...]:
+    """The layers that change stage going from ``old_layers`` to ``new_layers`` (new stage ``i`` is
+    old stage ``survivors[i]``); ``from_stage`` is None where the old stage vanished."""
+    old_owner = [k for k, (start, end) in enumerate(old_layers) for _ in range(start, end)]
+    migrations = []
+    for new_index, (start, end) in enumerate(new_layers):
+        for layer in range(start, end):
+            old = old_owner[layer]
+            if old != survivors[new_index]:
+                migrations.append(LayerMigration(layer=layer, from_stage=old if old in survivors else None,
+                                                 to_stage=new_index))
+    return tuple(migrations)
 
 
 def choose_layout(current: Layout, seen: Sequence[Layout], *, num_unheld: int, alone: bool) -> Layout | None:

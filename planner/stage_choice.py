@@ -35,11 +35,13 @@ class StageMember:
         peer_id: the peer's id (any string that orders deterministically).
         stage: the stage it serves, ``0 <= stage < num_stages``.
         flops: its measured compute, FLOP/s.
+        memory_bytes: the memory it may use for a stage, bytes (0: not known, no limit assumed).
     """
 
     peer_id: str
     stage: int
     flops: float
+    memory_bytes: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

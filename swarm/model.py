@@ -117,15 +117,20 @@ def layer_flops_per_sample(spec: RunSpec) -> tuple[float, ...]:
 
 def stage_num_params(spec: RunSpec, stage: int) -> int:
     """Parameters of a stage, counted from the spec without allocating anything."""
+    start, end = spec.stage_layers[stage]
+    return sum(layer_num_params(spec)[start:end])  # the first stage holds block 0, the last the last block
+
+
+def layer_num_params(spec: RunSpec) -> tuple[int, ...]:
+    """Parameters of each block, the embeddings counted with the first block and the final
+    LayerNorm and head with the last (they always share those blocks' stages)."""
     model = spec.model
-    d, start, end = model.d_model, *spec.stage_layers[stage]
+    d = model.d_model
     block = 12 * d * d + 13 * d  # qkv, proj, fc, fc_proj weights and biases; two LayerNorms
-    total = (end - start) * block
-    if stage == 0:
-        total += (model.vocab_size + model.seq_len) * d
-    if stage == spec.num_stages - 1:
-        total += 2 * d + d * model.vocab_size
-    return total
+    params = [block] * model.num_layers
+    params[0] += (model.vocab_size + model.seq_len) * d
+    params[-1] += 2 * d + d * model.vocab_size
+    return tuple(params)
 
 
 def _init_from_seed(seed: int, modules: list[nn.Module], *, num_layers: int = 1) -> None:

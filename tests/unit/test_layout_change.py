@@ -8,7 +8,9 @@ import pytest
 
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from peer.backup import MIN_COMPLETE_READS, RescueWatch
+from peer.profiler import FIXED_OVERHEAD_BYTES, layer_memory_bytes, stage_memory_bytes
 from peer.relayout import adopted_layout, joiner_layout, new_stage_of, record_layout, replanned_layout
+from planner.replanning import MemoryBudgetError
 from swarm.view import SwarmView
 
 BASE = RunSpec(run_id="run", model=ModelSpec(num_layers=6), stage_layers=((0, 2), (2, 4), (4, 6)))
@@ -16,9 +18,9 @@ V1 = ((0, 3), (3, 6))
 
 
 def record(peer_id: str, stage: int, *, version: int = 0, layers=(), layout_map=(), state: str = "training",
-           flops: float = 1e9) -> PeerRecord:
+           flops: float = 1e9, memory_bytes: int = 0) -> PeerRecord:
     return PeerRecord(peer_id=peer_id, role="reliable", state=state, stage=stage, flops=flops, announced_at=100.0,
-                      layout_version=version, stage_layers=layers, layout_map=layout_map)
+                      layout_version=version, stage_layers=layers, layout_map=layout_map, memory_bytes=memory_bytes)
 
 
 def view_of(records: list[PeerRecord], spec: RunSpec = BASE) -> SwarmView:
@@ -33,7 +35,8 @@ def test_records_carry_their_layout_and_refuse_a_malformed_one() -> None:
     mine = record("a", 1, version=1, layers=V1, layout_map=(0, -1, 1))
     assert PeerRecord.from_wire(mine.to_wire()) == mine
     for bad in ({"stage_layers": [[0, 3], [2, 6]]}, {"stage_layers": [[0, "3"]]}, {"stage_layers": 7},
-                {"layout_map": [0, 99]}, {"layout_map": "x"}, {"layout_version": -1}, {"layout_map": [True]}):
+                {"layout_map": [0, 99]}, {"layout_map": "x"}, {"layout_version": -1}, {"layout_map": [True]},
+                {"memory_bytes": -1}, {"memory_bytes": 1.5}, {"memory_bytes": "8G"}):
         with pytest.raises(ValueError):
             PeerRecord.from_wire({**mine.to_wire(), **bad})
     assert PeerRecord.from_wire({k: v for k, v in mine.to_wire().items()
@@ -76,19 +79,42 @@ def test_the_peers_left_replan_once_the_unrescuable_stage_settled() -> None:
     assert never_held.unrescuable == {}, "a stage never seen held is not lost: the swarm is still forming"
     watch = watching(view, "a", [record("b", 1)])
     assert watch.unrescuable == {1: 100.0}, "no stage can spare a peer"
-    assert replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=105.0, after=8.0) is None, "not yet"
-    change = replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=108.0, after=8.0)
+    assert replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=105.0, after=8.0, max_in_flight=4) is None, "not yet"
+    change = replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=108.0, after=8.0, max_in_flight=4)
     assert change.spec.stage_layers == ((0, 2), (2, 6)) and change.spec.layout_version == 1
     assert (change.layout_map, change.stage, change.unheld, change.reason) == ((0, -1, 1), 0, (1,), "replanned")
-    other = replanned_layout(view, BASE, watch, peer_id="c", stage=2, now=108.0, after=8.0)
+    other = replanned_layout(view, BASE, watch, peer_id="c", stage=2, now=108.0, after=8.0, max_in_flight=4)
     assert other.spec == change.spec and other.stage == 1, "every survivor computes the same layout"
+
+
+def test_a_replan_gives_no_peer_more_layers_than_its_record_offers_memory_for() -> None:
+    def room_for(num_layers: int) -> int:
+        """Memory for the last ``num_layers`` blocks (the heaviest: the head's) and the fixed overhead."""
+        return FIXED_OVERHEAD_BYTES + sum(layer_memory_bytes(BASE, max_in_flight=4)[-num_layers:])
+
+    # by capacity the faster "c" would take layers 2-5; it offers room for three layers only
+    view = view_of([record("a", 0), record("c", 2, flops=2e9, memory_bytes=room_for(3))])
+    watch = watching(view, "a", [record("b", 1)])
+    change = replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=108.0, after=8.0, max_in_flight=4)
+    assert change.spec.stage_layers == ((0, 3), (3, 6))
+    assert stage_memory_bytes(change.spec, 1, max_in_flight=4) <= room_for(3)
+    # with room for two layers on each survivor, no split of six fits: the peer waits for a volunteer
+    tight = view_of([record("a", 0, memory_bytes=room_for(2)), record("c", 2, memory_bytes=room_for(2))])
+    watch = watching(tight, "a", [record("b", 1)])
+    with pytest.raises(MemoryBudgetError):
+        replanned_layout(tight, BASE, watch, peer_id="a", stage=0, now=108.0, after=8.0, max_in_flight=4)
+    # a claim below what a peer's current stage needs counts as that need: it cannot block every re-plan
+    liar = view_of([record("a", 0), record("c", 2, memory_bytes=1)])
+    watch = watching(liar, "a", [record("b", 1)])
+    change = replanned_layout(liar, BASE, watch, peer_id="a", stage=0, now=108.0, after=8.0, max_in_flight=4)
+    assert change.spec.stage_layers == ((0, 4), (4, 6)), "c keeps the two layers it holds, a takes the rest"
 
 
 def test_a_stage_that_can_be_rescued_is_not_replanned() -> None:
     view = view_of([record("a", 0), record("b", 0), record("c", 2)])
     watch = watching(view, "a", [record("x", 1)])
     assert watch.unrescuable == {}
-    assert replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=200.0, after=8.0) is None
+    assert replanned_layout(view, BASE, watch, peer_id="a", stage=0, now=200.0, after=8.0, max_in_flight=4) is None
 
 
 def test_the_other_survivors_adopt_the_replanned_layout_and_go_where_its_map_says() -> None:

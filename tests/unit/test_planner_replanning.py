@@ -83,7 +83,7 @@ def test_all_servers_lost_raises() -> None:
 
 # --- a running swarm's layout (peer/relayout.py): replan_layout and choose_layout ---
 
-from planner.replanning import VANISHED, Layout, choose_layout, replan_layout  # noqa: E402
+from planner.replanning import VANISHED, Layout, MemoryBudgetError, choose_layout, replan_layout  # noqa: E402
 from planner.stage_choice import StageMember  # noqa: E402
 
 THREE = ((0, 2), (2, 4), (4, 6))
@@ -140,6 +140,55 @@ def test_replan_layout_properties(bounds: list[int], holders: list[tuple[int, fl
     np.random.default_rng(seed).shuffle(shuffled)
     assert replan_layout(layers, (1.0,) * ends[-1], shuffled) == replan, "order of peers does not matter"
     assert not any(m.peer_id.startswith(VANISHED) for m in members)
+
+
+def test_replan_layout_keeps_every_stage_within_its_members_memory() -> None:
+    # by capacity the faster last survivor would take layers 2-5 (4 layers), but it can hold only 3
+    members = [StageMember(peer_id="a", stage=0, flops=1e9, memory_bytes=10e6),
+               StageMember(peer_id="b", stage=2, flops=2e9, memory_bytes=3.5e6 + 1e6)]
+    unlimited = replan_layout(THREE, (1.0,) * 6, members)
+    assert unlimited.stage_layers == ((0, 2), (2, 6))
+    replan = replan_layout(THREE, (1.0,) * 6, members, layer_bytes=(1e6,) * 6, overhead_bytes=1e6)
+    assert replan.stage_layers == ((0, 3), (3, 6)), "the fastest split that fits"
+    assert {(m.layer, m.from_stage, m.to_stage) for m in replan.migrations} == {(2, None, 0), (3, None, 1)}
+    # the smallest budget of a stage binds: one more small member of stage 0 leaves no room for 3 layers there
+    small = StageMember(peer_id="c", stage=0, flops=1e9, memory_bytes=2.5e6 + 1e6)
+    with pytest.raises(MemoryBudgetError, match="fits"):
+        replan_layout(THREE, (1.0,) * 6, [*members, small], layer_bytes=(1e6,) * 6, overhead_bytes=1e6)
+    # members that did not state a budget do not limit
+    quiet = [StageMember(peer_id=m.peer_id, stage=m.stage, flops=m.flops) for m in members]
+    assert replan_layout(THREE, (1.0,) * 6, quiet, layer_bytes=(1e6,) * 6) == unlimited
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layer_bytes=st.lists(st.integers(1, 4), min_size=3, max_size=7),
+    holders=st.lists(st.tuples(st.integers(0, 2), st.floats(1e6, 1e12), st.integers(0, 12)), min_size=1, max_size=5),
+)
+def test_replan_layout_respects_budgets_and_refuses_only_what_nothing_fits(
+        layer_bytes: list[int], holders: list[tuple[int, float, int]]) -> None:
+    num_layers = len(layer_bytes)
+    layers = ((0, 1), (1, 2), (2, num_layers))
+    members = [StageMember(peer_id=f"p{i}", stage=stage, flops=flops, memory_bytes=float(memory))
+               for i, (stage, flops, memory) in enumerate(holders)]
+    survivors = sorted({m.stage for m in members})
+    if len(survivors) == len(layers):
+        return
+    budgets = [min([m.memory_bytes for m in members if m.stage == k and m.memory_bytes > 0], default=np.inf)
+               for k in survivors]
+    # brute force: every split of the layers into len(survivors) contiguous non-empty ranges
+    fitting = [cuts for cuts in itertools.combinations(range(1, num_layers), len(survivors) - 1)
+               if all(sum(layer_bytes[a:b]) <= budget
+                      for (a, b), budget in zip(itertools.pairwise((0, *cuts, num_layers)), budgets, strict=True))]
+    try:
+        replan = replan_layout(layers, (1.0,) * num_layers, members, layer_bytes=tuple(map(float, layer_bytes)))
+    except MemoryBudgetError:
+        assert not fitting, "a split that fits existed"
+        return
+    assert fitting
+    assert all(sum(layer_bytes[a:b]) <= budget for (a, b), budget in zip(replan.stage_layers, budgets, strict=True))
+    assert replan.stage_layers[0][0] == 0 and replan.stage_layers[-1][1] == num_layers
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(replan.stage_layers))
 
 
 def test_choose_layout_takes_the_next_version_only_when_the_view_agrees() -> None:
