@@ -30,6 +30,7 @@ from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 SPEC_POLL_PERIOD = 0.5
+CONFIRM_PERIOD = 0.5  # seconds between the two reads a joiner's stage choice must agree on
 
 
 async def fetch_spec(dht: hivemind.DHT, run_id: str, *, timeout: float) -> RunSpec:
@@ -77,19 +78,31 @@ async def negotiate_stage(
 ) -> tuple[int, list[PeerRecord]]:
     """Wait ``settle_delay`` for concurrent joiners to announce, then choose like all of them would.
 
+    The choice is taken from two reads in a row, :data:`CONFIRM_PERIOD` apart, that each finished
+    within ``SLOW_READ`` (``SwarmView.complete_reads``) and give this peer the same stage: on a busy
+    machine one read can miss a concurrent joiner's intent (a read that waits out a DHT timeout),
+    and two joiners that each missed the other can pile onto one stage (CI: 1 and 3 on two stages).
+    At the deadline the last choice stands.
+
     Returns:
         the chosen stage and the snapshot of records it was chosen from.
     """
     await asyncio.sleep(settle_delay)
     deadline = time.monotonic() + timeout
+    previous = None
     while True:
         records = await view.refresh()
         try:
-            return choose_stage_from_view(spec, records, peer_id), records
+            stage = choose_stage_from_view(spec, records, peer_id)
         except RuntimeError:
             if time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.2)
+            continue
+        if (view.complete_reads >= 2 and stage == previous) or time.monotonic() >= deadline:
+            return stage, records
+        previous = stage if view.complete_reads else None
+        await asyncio.sleep(CONFIRM_PERIOD)
 
 
 def stage_state_bytes(stage: Stage) -> int:

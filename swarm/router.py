@@ -62,6 +62,7 @@ MAX_TRACKED = 1024  # peers whose own call durations are kept
 LATENCY_EMA = 0.3  # weight of the newest call in a peer's smoothed call duration
 LATENCY_TOLERANCE = 2.0  # a peer up to this many times slower than the fastest candidate keeps its full weight
 MIN_LATENCY_FACTOR = 0.02  # the least share a slow candidate's weight is cut to (it is still measured)
+SLOW_PEER_RATIO = 8.0  # a candidate this many times slower than the fastest gets one call at a time
 
 
 class NoPeerAvailableError(Declined):
@@ -75,12 +76,21 @@ def hop_weights(candidates: Sequence[PeerRecord], in_flight: Counter, stage_flop
     """Selection weight of each candidate: advertised throughput, capped at ``MAX_CLAIM_RATIO`` times
     the candidates' median (``planner.claims``: one liar cannot draw all the traffic), over (1 + our
     in-flight to it), times :func:`latency_factors` of the measured call durations (``latency``:
-    peer id -> smoothed seconds; a peer on a slow link advertises its compute, not its link)."""
+    peer id -> smoothed seconds; a peer on a slow link advertises its compute, not its link). A
+    candidate over :data:`SLOW_PEER_RATIO` times slower than the fastest that already has a call
+    from us gets 0, unless every candidate is such a one."""
     throughputs = cap_to_median([r.samples_per_s if r.samples_per_s > 0 else r.flops / stage_flops
                                  for r in candidates])
     factors = latency_factors([(latency or {}).get(r.peer_id) for r in candidates])
-    return [max(throughput, 1e-9) / (1 + in_flight[r.peer_id]) * factor
-            for r, throughput, factor in zip(candidates, throughputs, factors, strict=True)]
+    weights = [max(throughput, 1e-9) / (1 + in_flight[r.peer_id]) * factor
+               for r, throughput, factor in zip(candidates, throughputs, factors, strict=True)]
+    # a peer behind a slow link shares it between its calls: a second call makes both late (and time
+    # out, and be struck); it waits for its one call to come back, unless every candidate is as busy
+    busy = [factor < LATENCY_TOLERANCE / SLOW_PEER_RATIO and in_flight[r.peer_id] > 0
+            for r, factor in zip(candidates, factors, strict=True)]
+    if not all(busy):
+        weights = [0.0 if is_busy else weight for weight, is_busy in zip(weights, busy, strict=True)]
+    return weights
 
 
 def latency_factors(latencies: Sequence[float | None]) -> list[float]:

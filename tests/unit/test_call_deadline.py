@@ -15,6 +15,7 @@ from swarm.router import (
     MIN_LATENCY_FACTOR,
     OWN_MARGIN,
     PROBE_FACTOR,
+    SLOW_PEER_RATIO,
     Router,
     hop_weights,
     latency_factors,
@@ -92,3 +93,16 @@ def test_the_router_learns_a_slow_peer_from_its_answers_and_timeouts():
     candidates = [PeerRecord(peer_id=p, role="reliable", state="training", stage=1, flops=1e9) for p in ("fast", "slow")]
     fast, slow = hop_weights(candidates, Counter(), 1e9, r.latency)
     assert slow / fast == pytest.approx(LATENCY_TOLERANCE * 0.2 / r.latency["slow"])
+
+
+def test_a_peer_far_slower_than_the_fastest_gets_one_call_at_a_time():
+    candidates = [PeerRecord(peer_id=p, role="reliable", state="training", stage=1, flops=1e9)
+                  for p in ("fast", "slow", "jittery")]
+    latency = {"fast": 0.3, "slow": 0.3 * SLOW_PEER_RATIO * 2, "jittery": 0.3 * SLOW_PEER_RATIO / 2}
+    idle = hop_weights(candidates, Counter(), 1e9, latency)
+    assert idle[1] > 0, "an idle slow peer is still called (and measured)"
+    busy = hop_weights(candidates, Counter({"slow": 1, "jittery": 1}), 1e9, latency)
+    assert busy[1] == 0 and busy[0] > 0, "a slow peer with a call out gets no second one"
+    assert busy[2] > 0, "a peer a few times slower (a busy CPU) is only weighted down"
+    alone = hop_weights(candidates[1:2], Counter({"slow": 3}), 1e9, latency)
+    assert alone[0] > 0, "the only candidate of a stage takes what comes"
