@@ -27,6 +27,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -222,7 +223,7 @@ class Peer:
         self.status_protocol = StatusProtocol(self.p2p, lambda: local_status(self))
         await self.status_protocol.start()
         self.keeper = BackupKeeper(self.p2p, self.view, self.spec, peer_id=self.peer_id, config=config, metrics=self.metrics)
-        await self._obtain_state()
+        await self._obtain_state(seen=snapshot)
 
     def _new_stage(self, stage_index: int, device: torch.device) -> Stage:
         stage = Stage(self.spec, stage_index, device=device)
@@ -270,11 +271,17 @@ class Peer:
                 f"Stage {stage_index} needs about {needed / MIB:.0f} MiB but this peer's budget ({source}) is "
                 f"{budget / MIB:.0f} MiB; raise --max-memory-mb, free memory, or lower --max-in-flight.", exit_code=3)
 
-    async def _obtain_state(self) -> str:
+    async def _obtain_state(self, seen: Sequence[PeerRecord] = ()) -> str:
         """Load the stage's state; returns where it came from: "holders", "local-backup",
-        "backup-donor", "checkpoint" or "seed"."""
+        "backup-donor", "checkpoint" or "seed". The holders are this read's, plus those of ``seen``
+        (the join's snapshot, seconds old) that this read lacks and nobody said left: a heartbeat
+        late on a busy machine lets a live holder's record lapse for a moment (CI: a joiner pulled
+        from one of two live holders). A holder that is really gone fails its probe and is skipped."""
         await self.view.refresh()
         holders = [r for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id]
+        listed = {r.peer_id for r in holders} | {self.peer_id}
+        holders += [r for r in seen if r.stage == self.stage.index and r.state == "training"
+                    and r.peer_id not in listed and not self.view.is_gone(r.peer_id)]
         if not holders:
             restored = await self._restore_backup()
             if restored is not None:
