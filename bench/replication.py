@@ -154,10 +154,11 @@ def run_joiner(args: argparse.Namespace) -> None:
 async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -> dict[str, float]:
     import replication.transfer as transfer
     from dht.rpc import call_peer
+    from replication.config import TransferConfig
     from replication.server import manifest_handler
 
     p2p = await dht.replicate_p2p()
-    config = transfer.TransferConfig(shard_timeout_floor=30.0)
+    config = TransferConfig(shard_timeout_floor=30.0)
     peer_ids = [d["peer_id"] for d in donors]
     for peer_id in peer_ids:  # warm-up: each donor's snapshot copy (see the module docstring)
         await call_peer(p2p, peer_id, manifest_handler(RUN_ID), {"stage": STAGE, "shard_bytes": config.piece_bytes},

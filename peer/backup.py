@@ -39,13 +39,13 @@ from hivemind.p2p import P2P
 from dht.records import PeerRecord, RunSpec
 from dht.reputation import Reputation
 from peer.config import PeerConfig
-from peer.join import piece_bytes_of
 from peer.metrics import MetricsLog
 from planner.backup import BackupCopy, Rescue, assign_backups, choose_rescues
 from planner.claims import credible_copies
 from planner.stage_choice import StageMember
+from replication.config import TransferConfig
 from replication.server import SnapshotFn
-from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
+from replication.transfer import PullResult, TransferError, pull_state
 from swarm.model import stage_flops_per_sample, stage_num_params
 from swarm.view import SwarmView
 
@@ -135,8 +135,7 @@ async def pull_copy(
         TransferError, ValueError: as ``pull_state``.
     """
     state_bytes = 3 * 4 * stage_num_params(spec, stage)  # float32 parameters and two AdamW moments
-    transfer = TransferConfig(request_timeout=request_timeout, piece_bytes=piece_bytes_of(state_bytes),
-                              min_agreeing_donors=1)
+    transfer = TransferConfig.for_state(state_bytes, request_timeout=request_timeout, min_agreeing_donors=1)
     with tempfile.TemporaryDirectory(prefix="murmuration-copy-") as store_dir:
         return await pull_state(p2p, donors, run_id=spec.namespace, stage=stage, store_dir=Path(store_dir),
                                 config=transfer, reputation=reputation)

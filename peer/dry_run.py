@@ -17,12 +17,11 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from dht.node import BootstrapError, DHTNodeConfig, open_dht
 from dht.records import PeerRecord, RunSpec
 from dht.registry import dht_time
 from peer.config import PeerConfig
 from peer.errors import UserError
-from peer.join import fetch_spec, stage_costs
+from peer.join import fetch_spec, open_swarm_dht, stage_costs
 from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
 from planner.stage_choice import Joiner, StageMember, assign_joiners, stage_throughputs
 from swarm.view import SwarmView
@@ -81,18 +80,7 @@ async def dry_run(config: PeerConfig) -> str:
     Raises:
         UserError: unreachable swarm, unknown run, or a ``--stage`` the run does not have.
     """
-    # client mode and a fresh identity: a visitor that others must not route through once it is gone,
-    # and that cannot clash with this machine's real peer running under --identity-path
-    try:
-        node_config = DHTNodeConfig(initial_peers=config.bootstrap, host_maddrs=config.host_maddrs,
-                                    announce_maddrs=config.announce_maddrs, client_mode=True,
-                                    start_timeout=config.join_timeout)
-    except ValueError as e:
-        raise UserError(f"{e}; copy the bootstrap's address as run_bootstrap.py prints it.") from e
-    try:
-        dht, _validator = await asyncio.to_thread(open_dht, node_config)
-    except BootstrapError as e:
-        raise UserError(f"Cannot reach the swarm: {e}; check that the bootstrap is running and its multiaddr is right.") from e
+    dht, _validator = await open_swarm_dht(config, is_visitor=True)  # client mode, a fresh identity
     view = None
     try:
         peer_id = dht.peer_id.to_base58()

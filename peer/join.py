@@ -1,4 +1,4 @@
-"""Joining a run: find its spec, negotiate a stage, and obtain that stage's state.
+"""Joining a run: reach the swarm's DHT, find its spec, negotiate a stage, and obtain that stage's state.
 
 Each policy step is the house pattern: read a snapshot from the DHT (I/O), call a pure planner
 function, apply the result (I/O).
@@ -15,15 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
+from dht.node import BootstrapError, DHTNodeConfig, open_dht
 from dht.records import PROTOCOL_VERSION, PeerRecord, RunSpec
 from dht.reputation import Reputation
 from dht.registry import fetch_run_ids, fetch_run_specs
 from peer.config import PeerConfig
 from peer.errors import UserError
 from planner.stage_choice import Joiner, StageMember, assign_joiners
-from replication.transfer import PullResult, TransferConfig, pull_state
+from replication.config import TransferConfig
+from replication.transfer import PullResult, pull_state
 from swarm.model import stage_flops_per_sample
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -31,6 +34,38 @@ from swarm.view import SwarmView
 logger = logging.getLogger(__name__)
 SPEC_POLL_PERIOD = 0.5
 CONFIRM_PERIOD = 0.5  # seconds between the two reads a joiner's stage choice must agree on
+
+
+def dht_node_config(config: PeerConfig, *, is_visitor: bool = False) -> DHTNodeConfig:
+    """The DHT node a peer runs, from its config (``--bootstrap``, ``--host-maddrs``, ...).
+
+    A visitor (``--dry-run``) runs in client mode with a fresh identity: a node that others must
+    not route through once it is gone, and that cannot clash with this machine's real peer running
+    under ``--identity-path``.
+
+    Raises:
+        UserError: an address is not a multiaddr.
+    """
+    try:
+        return DHTNodeConfig(initial_peers=config.bootstrap, host_maddrs=config.host_maddrs,
+                             announce_maddrs=config.announce_maddrs,
+                             identity_path=None if is_visitor else config.identity_path,
+                             client_mode=True if is_visitor else config.client_mode, start_timeout=config.join_timeout)
+    except ValueError as e:
+        raise UserError(f"{e}; copy the bootstrap's address as run_bootstrap.py prints it.") from e
+
+
+async def open_swarm_dht(config: PeerConfig, *, is_visitor: bool = False) -> tuple[hivemind.DHT, RSASignatureValidator]:
+    """Start the peer's DHT node (:func:`dht_node_config`) and join the swarm through ``--bootstrap``.
+
+    Raises:
+        UserError: an address is not a multiaddr, or no bootstrap answered within ``--join-timeout``.
+    """
+    node_config = dht_node_config(config, is_visitor=is_visitor)
+    try:
+        return await asyncio.to_thread(open_dht, node_config)
+    except BootstrapError as e:
+        raise UserError(f"Cannot reach the swarm: {e}; check that the bootstrap is running and its multiaddr is right.") from e
 
 
 async def fetch_spec(dht: hivemind.DHT, run_id: str, *, timeout: float) -> RunSpec:
@@ -112,21 +147,6 @@ def stage_state_bytes(stage: Stage) -> int:
         p.numel() * p.element_size() for p in model.parameters())
 
 
-def piece_bytes_for(stage: Stage) -> int:
-    """The hash granularity for this stage's state (``piece_bytes_of``). Every joiner of the stage
-    computes the same size, so the holders hash each version once."""
-    return piece_bytes_of(stage_state_bytes(stage))
-
-
-def piece_bytes_of(state_bytes: int) -> int:
-    """About 1/64 of ``state_bytes``, a power of two between 64 KiB and 1 MiB, so that a small
-    stage still spreads over several holders."""
-    piece = 64 * 1024
-    while piece < 1024 * 1024 and piece * 64 < state_bytes:
-        piece *= 2
-    return piece
-
-
 async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *, config: PeerConfig,
                            min_agreeing_donors: int = 2, reputation: Reputation | None = None) -> PullResult:
     """Pull the stage's state from all its current holders at once and load it (DESIGN §1 step 5).
@@ -141,8 +161,8 @@ async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *,
     Raises:
         TransferError: no holder could serve the state.
     """
-    transfer = TransferConfig(request_timeout=config.request_timeout, piece_bytes=piece_bytes_for(stage),
-                              min_agreeing_donors=min(min_agreeing_donors, len(holders)))
+    transfer = TransferConfig.for_state(stage_state_bytes(stage), request_timeout=config.request_timeout,
+                                        min_agreeing_donors=min(min_agreeing_donors, len(holders)))
     with _state_dir(config, stage) as store_dir:
         result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.namespace,
                                   stage=stage.index, store_dir=store_dir, config=transfer, reputation=reputation)

@@ -1,6 +1,24 @@
-"""Pure planning algorithms: cost models, stage choice, partitioning, schedules, simulator.
+"""Pure planning algorithms: cost models, stage choice, backups, re-planning.
 
 Imports no torch, no hivemind, no asyncio, no sockets, no clock and no global RNG (DESIGN §2):
 every function takes the snapshot, the config, ``now`` and an ``rng`` it needs as arguments, so
 peers that see the same snapshot make the same decision.
+
+The package holds two kinds of planner, one per place:
+
+* ``planner/`` itself: the modules the live peer runs (imported, directly or through each other,
+  by ``peer/``, ``swarm/`` and the ``run_*.py`` scripts):
+
+  - ``stage_choice``: the join decision (the stage of largest throughput deficit, concurrent
+    joiners placed in announce order) and rebalancing with hysteresis (``choose_move``);
+  - ``backup``: who keeps the backup of a lone holder's stage and who rescues a lost stage;
+  - ``claims``: bounds on the figures peers claim about themselves (FLOP/s, samples/s, backup
+    versions) by the other peers' figures, so one liar cannot steer those decisions;
+  - ``replanning``: re-splitting the layers over the stages left after a stage is lost (seed 001 §3.4);
+  - ``layer_split``, ``assembly``, ``costs``, ``plan``, ``snapshot``: what ``replanning`` builds on
+    (the seed 000 cost model, the bottleneck DP over layer boundaries, ``Plan`` and ``SwarmSnapshot``).
+
+* ``planner/offline/``: the seed planners, the literature's planners and the simulator that
+  ``bench/`` and the tests evaluate offline. The live peer imports none of them
+  (``tests/unit/test_import_rule.py`` checks it).
 """

@@ -8,7 +8,8 @@ adjustment to the layer partitioning points"). With prefix FLOPs ``P_l`` and cap
 boundary ``b_k`` is the layer whose prefix is closest to ``P_L * sum_{j<=k} C_j / sum_j C_j``
 (each stage keeps at least one layer). If that split breaks a memory budget, the exact split of
 ``layer_split`` (which respects memory) is used instead. The clients of a vanished stage are
-released to re-join through ``rebalance.choose_join_stage``.
+released to join again (the live peer places them with ``stage_choice``; the offline bench with
+``offline.rebalance.choose_join_stage``).
 
 The result lists, per layer that changes hands, where its weights come from: the old stage that
 held it, or None when that stage vanished and the weights come from its backup (the next stage,

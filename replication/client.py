@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hivemind.p2p import P2P
 
 from dht.reputation import Reputation
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
 from dht.wire import ProtocolError
+from replication.config import TransferConfig
 from replication.manifest import Manifest, ManifestError, piece_size_for
 from replication.server import manifest_handler, padded_bytes, probe_handler, shard_handler, unpack_bytes
-
-if TYPE_CHECKING:
-    from replication.transfer import TransferConfig
 
 __all__ = ["DONOR_FAULTS", "Session", "call_manifest", "call_pieces", "call_probe"]
 

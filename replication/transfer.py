@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -35,12 +35,12 @@ import torch
 from hivemind.p2p import P2P
 
 from dht.reputation import Reputation
-from replication.assignment import NeighbourLink, SearchConfig, plan_replication
+from replication.assignment import NeighbourLink, plan_replication
 from replication.client import DONOR_FAULTS, Session, call_manifest, call_probe
+from replication.config import TransferConfig
 from replication.fetcher import PieceFetcher, split_runs
-from replication.manifest import Manifest, ManifestLimits, restore_state
+from replication.manifest import Manifest, restore_state
 from replication.report import DisagreementError, PullReport, TransferError, drop_donor
-from replication.server import MAX_PROBE_BYTES, MAX_REQUEST_SHARD_BYTES, MIN_REQUEST_SHARD_BYTES
 from replication.shard_store import ShardStore
 
 __all__ = ["PullReport", "PullResult", "TransferConfig", "TransferError", "agree_on_manifest", "probe_donors",
@@ -54,66 +54,6 @@ MIN_PER_BYTE_DELAY = 1e-11  # 100 GB/s: a floor so that loopback noise never giv
 # several requests per donor the rates measured on the first ones correct the plan, and the end game
 # can copy a late one, whereas one huge request per donor can be neither moved nor copied cheaply.
 MIN_RUNS_PER_DONOR = 16
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransferConfig:
-    """How a joiner pulls state (seed 003 §III); composed into the peer's config.
-
-    Attributes:
-        piece_bytes: the smallest piece size p the state is hashed at (donors double it for very
-            large states, see ``piece_size_for``); s is a multiple of p, and p is what a resumed
-            download keeps.
-        search: Alg. 1's bounds on the shard size s; the largest s (16 MiB by default) bounds the
-            memory of shards in flight (donors x ``max_in_flight_per_donor`` x s).
-        max_in_flight_per_donor: shard requests outstanding per donor (the donor sends them in
-            turn, so the next one is ready when the current one is through).
-        rebalance: re-plan the queued shards whenever a donor's measured rate drifts from the
-            plan or a donor runs dry; turn off only to measure the static plan.
-        endgame: let a donor with nothing left fetch a copy of a run in flight elsewhere when it
-            would finish it sooner; turn off only to measure the static plan.
-        probe_bytes: size of the bandwidth probe (bytes, <= 4 MiB); larger is more accurate.
-        num_probe_rounds: probes per donor and size; the fastest is kept (filters scheduler noise).
-        request_timeout: seconds for one probe or manifest call.
-        shard_timeout_floor: seconds added to every shard deadline (covers jitter, GC, disk).
-        shard_timeout_slack: multiplier on a shard's estimated time in its deadline; lower it to
-            drop stalling donors sooner, raise it on links whose speed swings.
-        min_agreeing_donors: manifests that must be identical before any shard is fetched
-            (fewer only when fewer donors answered).
-        manifest_limits: caps on what a donor's manifest may make us allocate.
-    """
-
-    piece_bytes: int = 1024 * 1024
-    search: SearchConfig = field(default_factory=lambda: SearchConfig(max_shard_bytes=16 * 1024 * 1024))
-    max_in_flight_per_donor: int = 2
-    rebalance: bool = True
-    endgame: bool = True
-    probe_bytes: int = 256 * 1024
-    num_probe_rounds: int = 1
-    request_timeout: float = 10.0
-    shard_timeout_floor: float = 5.0
-    shard_timeout_slack: float = 4.0
-    min_agreeing_donors: int = 2
-    manifest_limits: ManifestLimits = field(default_factory=ManifestLimits)
-
-    def __post_init__(self) -> None:
-        for name, high in (("max_in_flight_per_donor", 1 << 10), ("num_probe_rounds", 100),
-                           ("min_agreeing_donors", 1 << 10), ("probe_bytes", MAX_PROBE_BYTES)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-                raise ValueError(f"{name} must be an int in [1, {high}], got {value!r}")
-        for name in ("request_timeout", "shard_timeout_floor", "shard_timeout_slack"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        for name in ("rebalance", "endgame"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.piece_bytes, bool) or not isinstance(self.piece_bytes, int) or not (
-                MIN_REQUEST_SHARD_BYTES <= self.piece_bytes <= MAX_REQUEST_SHARD_BYTES):
-            raise ValueError(f"piece_bytes must be an int in [{MIN_REQUEST_SHARD_BYTES}, "
-                             f"{MAX_REQUEST_SHARD_BYTES}], got {self.piece_bytes!r}")
-        if not isinstance(self.search, SearchConfig) or not isinstance(self.manifest_limits, ManifestLimits):
-            raise ValueError("search must be a SearchConfig and manifest_limits a ManifestLimits")
 
 
 @dataclass(frozen=True)

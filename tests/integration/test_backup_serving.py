@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from dht.rpc import RemoteError, call_peer
+from replication.config import TransferConfig
 from replication.server import ReplicationServer, manifest_handler, shard_handler
-from replication.transfer import TransferConfig, TransferError, pull_state
+from replication.transfer import TransferError, pull_state
 from tests.conftest import open_dht_nodes
 
 RUN, OWN, BACKED_UP = "backuptest", 1, 0

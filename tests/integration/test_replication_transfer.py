@@ -29,10 +29,11 @@ from dht.wire import read_message
 import replication.transfer as transfer
 from peer.faults import ALLOW_ENV, inject_corrupt_shards
 from replication.assignment import NeighbourLink, SearchConfig
+from replication.config import TransferConfig
 from replication.fetcher import CORRUPT_PIECE_STRIKES
 from replication.manifest import piece_size_for
 from replication.server import ReplicationServer, manifest_handler, probe_handler, shard_handler
-from replication.transfer import PullResult, TransferConfig, TransferError, pull_state
+from replication.transfer import PullResult, TransferError, pull_state
 from tests.conftest import open_dht_nodes
 
 RUN, STAGE, VERSION = "rtest", 1, 7

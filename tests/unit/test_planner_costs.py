@@ -13,10 +13,10 @@ from planner.costs import (
     estimate_averaging_floor, estimate_stage_costs, estimate_stage_delay, estimate_throughput, fill_workload,
     profile_group,
 )
-from planner.evaluation import ArrangementScorer
 from planner.layer_split import build_cost_matrix, split_layers
+from planner.offline.evaluation import ArrangementScorer
+from planner.offline.scenarios import build_region_snapshot, build_transformer_profile
 from planner.plan import Plan, Stage
-from planner.scenarios import build_region_snapshot, build_transformer_profile
 from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot
 
 

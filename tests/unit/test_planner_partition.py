@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.clustering import cluster_devices
 from planner.costs import estimate_throughput
-from planner.exhaustive import find_optimal_plan, iterate_set_partitions
-from planner.ordering import measure_path, order_clusters
-from planner.partition import plan_partition
-from planner.scenarios import build_region_snapshot, build_transformer_profile
+from planner.offline.clustering import cluster_devices
+from planner.offline.exhaustive import find_optimal_plan, iterate_set_partitions
+from planner.offline.ordering import measure_path, order_clusters
+from planner.offline.partition import plan_partition
+from planner.offline.scenarios import build_region_snapshot, build_transformer_profile
 from planner.snapshot import LinkMatrix, SwarmSnapshot
 
 MODEL = build_transformer_profile(num_layers=6, hidden_size=5120, sequence_length=1024)

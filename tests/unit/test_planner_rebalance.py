@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs import estimate_throughput
-from planner.partition import plan_partition
+from planner.offline.partition import plan_partition
+from planner.offline.rebalance import RebalanceConfig, choose_join_stage, plan_rebalance, prepare_join
+from planner.offline.scenarios import build_region_snapshot, build_transformer_profile
 from planner.plan import Plan, Stage
-from planner.rebalance import RebalanceConfig, choose_join_stage, plan_rebalance, prepare_join
-from planner.scenarios import build_region_snapshot, build_transformer_profile
 from planner.snapshot import Device, LinkMatrix, SwarmSnapshot
 
 MODEL = build_transformer_profile(num_layers=8, hidden_size=2048, sequence_length=512, num_microbatches=64)

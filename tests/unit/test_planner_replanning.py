@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs import estimate_throughput
+from planner.offline.scenarios import build_transformer_profile
 from planner.plan import Plan, Stage
 from planner.replanning import replan_after_failure, split_by_capacity
-from planner.scenarios import build_transformer_profile
 from planner.snapshot import Device, LinkMatrix, SwarmSnapshot
 
 MODEL = build_transformer_profile(num_layers=8, hidden_size=1024, sequence_length=256)

@@ -1,4 +1,10 @@
-"""Online decisions on a running plan: where a joiner goes, and rebalancing with hysteresis.
+"""Join and rebalance decisions on a full ``Plan`` under seed 000's cost model, evaluated offline.
+
+Not what the live peer runs. A running peer decides where to join and whether to move with
+``planner.stage_choice`` (``assign_joiners``, ``choose_move``): stage throughput from measured
+FLOP/s alone, one move at a time. This module answers the same two questions on a ``Plan`` and a
+``SwarmSnapshot`` with links, unreliable clients, memory and the averaging floor; ``bench/planner.py``
+times its join decision on 1024 peers and the tests check it against brute force.
 
 Both keep the layer boundaries fixed: a peer that moves downloads its new stage, and no other
 peer reloads anything (DESIGN §1 step 8; Petals reloads unchanged blocks, we never do).
@@ -26,9 +32,9 @@ from planner.assembly import plan_groups
 from planner.costs import (
     StageGroup, count_inflight, estimate_averaging_floor, estimate_stage_delay, profile_group,
 )
-from planner.evaluation import Arrangement, ArrangementScorer
+from planner.offline.evaluation import Arrangement, ArrangementScorer
+from planner.offline.refinement import list_moves
 from planner.plan import Plan
-from planner.refinement import list_moves
 from planner.snapshot import SwarmSnapshot
 
 
