@@ -21,7 +21,9 @@ from typing import Any
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RUNS_KEY = "murmuration.runs"
-PROTOCOL_VERSION = 2  # 2: peer records carry a binding to the libp2p identity (docs/records.md)
+# 2: peer records carry a binding to the libp2p identity (docs/records.md); 3: a step is the swarm's batch
+# (RunSpec.pipeline_schedule, replica_sync; microbatches carry their batch, stages exchange gradients)
+PROTOCOL_VERSION = 3
 ROLES = ("reliable", "unreliable")
 PEER_STATES = ("joining", "syncing", "training", "paused", "leaving")
 MAX_STAGES = 64
@@ -71,6 +73,10 @@ class ModelSpec:
             raise ValueError(f"num_heads {self.num_heads} must divide d_model {self.d_model}")
 
 
+PIPELINE_SCHEDULES = ("flush", "delayed")
+REPLICA_SYNCS = ("gradients", "periodic")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """Everything peers must agree on to train one model together.
@@ -85,6 +91,20 @@ class RunSpec:
         weight_decay: AdamW weight decay.
         microbatch_size: sequences per microbatch (the unit that flows through the pipeline).
         target_batch_size: samples a stage replica accumulates before each optimizer step.
+        pipeline_schedule: what a step means along the pipeline (``PIPELINE_SCHEDULES``; see
+            docs/convergence.md). ``"flush"`` (the default): a stage-0 replica injects one batch,
+            waits until every gradient of it came back, steps, and only then injects the next
+            batch; every stage steps before it computes a microbatch of the next batch. Every
+            gradient is computed on the current weights, as in one process (PipeDream-flush /
+            GPipe). ``"delayed"``: stage 0 keeps ``max_in_flight`` microbatches in the pipeline
+            across steps (seed 000's delayed parameter updates): more tokens/s, but most gradients
+            are one step stale, which costs far more loss per sample than it gains in speed.
+        replica_sync: how the replicas of a stage learn together (``REPLICA_SYNCS``).
+            ``"gradients"`` (the default; needs ``flush``): ``target_batch_size`` is the batch of the
+            whole swarm; the stage-0 replicas split it, and the replicas of every stage add up their
+            gradients before each step (swarm/gradient_sync.py), so the swarm takes one process's
+            steps. ``"periodic"``: every replica steps on its own ``target_batch_size`` samples, and
+            only the averaging rounds bring the replicas together.
         averaging_period: seconds between in-stage averaging rounds.
         dataset: ``"builtin:pydoc"`` (Python's own documentation, shipped with every CPython) or
             ``"files:<sha256>"`` for the user's own text files, identified by their content hash.
@@ -104,6 +124,8 @@ class RunSpec:
     weight_decay: float = 0.0
     microbatch_size: int = 16
     target_batch_size: int = 64
+    pipeline_schedule: str = "flush"
+    replica_sync: str = "gradients"
     averaging_period: float = 15.0
     dataset: str = "builtin:pydoc"
     seed: int = 0
@@ -118,6 +140,12 @@ class RunSpec:
         _check_float("lr", self.lr, 0.0, 10.0, open_low=True)
         _check_float("weight_decay", self.weight_decay, 0.0, 10.0)
         _check_float("averaging_period", self.averaging_period, 1.0, 86400.0)
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
+        if self.replica_sync not in REPLICA_SYNCS:
+            raise ValueError(f"replica_sync must be one of {', '.join(REPLICA_SYNCS)}, got {self.replica_sync!r}")
+        if self.replica_sync == "gradients" and self.pipeline_schedule != "flush":
+            raise ValueError("replica_sync 'gradients' needs pipeline_schedule 'flush' (a batch must end before the next starts)")
         for name in ("microbatch_size", "target_batch_size", "seed", "protocol_version", "layout_version"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 31:
@@ -191,6 +219,7 @@ class PeerRecord:
         num_samples: samples it has processed since it joined.
         version: its local optimizer step count.
         loss: its most recent loss (last stage) or the loss it was sent back (stage 0), else NaN.
+        val_loss: its most recent held-out loss, measured through the pipeline (stage 0), else NaN.
         announced_at: DHT time at which it announced itself; orders concurrent joiners.
         maddrs: multiaddrs where it listens.
         params_digest: hash of its stage parameters after its latest averaging round ("" if none).
@@ -224,6 +253,7 @@ class PeerRecord:
     num_samples: int = 0
     version: int = 0
     loss: float = math.nan
+    val_loss: float = math.nan
     announced_at: float = 0.0
     maddrs: tuple[str, ...] = ()
     params_digest: str = ""
@@ -255,8 +285,10 @@ class PeerRecord:
         _check_float("samples_per_s", self.samples_per_s, 0.0, 1e9)
         _check_float("announced_at", self.announced_at, 0.0, 1e11)
         _check_float("averaged_at", self.averaged_at, 0.0, 1e11)
-        if not isinstance(self.loss, (int, float)) or isinstance(self.loss, bool) or math.isinf(self.loss):
-            raise ValueError("loss must be a finite number or NaN (none yet)")
+        for name in ("loss", "val_loss"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isinf(value):
+                raise ValueError(f"{name} must be a finite number or NaN (none yet)")
         for name in ("num_samples", "version", "bytes_sent", "bytes_received", "backup_version", "layout_version",
                      "memory_bytes"):
             value = getattr(self, name)
@@ -284,6 +316,8 @@ class PeerRecord:
         wire["maddrs"] = list(self.maddrs)
         wire["stage_layers"] = [list(r) for r in self.stage_layers]
         wire["layout_map"] = list(self.layout_map)
+        if math.isnan(self.val_loss):
+            del wire["val_loss"]  # none yet (every peer but stage 0's): read back as the default NaN
         if not with_binding:
             del wire["peer_key"], wire["peer_signature"]
         return wire

@@ -24,7 +24,9 @@ def build_run_spec(config: BootstrapConfig) -> RunSpec:
     return RunSpec(
         run_id=config.run_id, model=model, stage_layers=even_stage_layers(config.num_layers, config.num_stages),
         lr=config.lr, weight_decay=config.weight_decay, microbatch_size=config.microbatch_size,
-        target_batch_size=config.target_batch_size, averaging_period=config.averaging_period,
+        target_batch_size=config.target_batch_size, pipeline_schedule=config.pipeline_schedule,
+        replica_sync=config.replica_sync,
+        averaging_period=config.averaging_period,
         dataset=dataset, seed=config.seed,
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dht.records import check_run_id
+from dht.records import PIPELINE_SCHEDULES, REPLICA_SYNCS, check_run_id
 
 RECOVERY_MODES = ("replay", "restart")  # see swarm/task_pool.py
 AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")  # swarm/robust.py's (not imported: it loads torch)
@@ -43,6 +43,8 @@ class PeerConfig:
     data: tuple[str, ...] = field(default=(), metadata=_help("text files to train on, when the run was published with --data"))
     max_memory_mb: float = field(default=0.0, metadata=_help("memory this peer may use for its stage, MiB (0: what the machine has available)"))
     max_in_flight: int = field(default=4, metadata=_help("microbatches a stage-0 peer keeps in the pipeline at once; raise for deeper pipelines"))
+    eval_every: int = field(default=4096, metadata=_help("samples a stage-0 peer trains between evaluations of the held-out loss through the pipeline (0: never)"))
+    eval_sequences: int = field(default=128, metadata=_help("held-out sequences per evaluation (the same fixed set on every peer; more is steadier and slower)"))
     join_timeout: float = field(default=30.0, metadata=_help("seconds to reach the swarm and find the run before giving up"))
     settle_delay: float = field(default=1.5, metadata=_help("seconds a joiner waits for other joiners' intents before choosing a stage"))
     heartbeat_period: float = field(default=1.0, metadata=_help("seconds between heartbeats in the DHT"))
@@ -91,6 +93,8 @@ class PeerConfig:
             raise ValueError("--stage must be -1 (negotiate) or a stage index")
         if self.num_threads < 0 or self.max_in_flight < 1:
             raise ValueError("--num-threads must be >= 0 and --max-in-flight >= 1")
+        if self.eval_every < 0 or self.eval_sequences < 1:
+            raise ValueError("--eval-every must be >= 0 (0: never) and --eval-sequences >= 1")
         for name in ("join_timeout", "heartbeat_period", "heartbeat_ttl", "request_timeout", "max_payload_mb", "status_period",
                      "checkpoint_period"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
@@ -145,6 +149,8 @@ class BootstrapConfig:
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     microbatch_size: int = field(default=16, metadata=_help("sequences per microbatch"))
     target_batch_size: int = field(default=64, metadata=_help("samples a stage replica accumulates per optimizer step"))
+    pipeline_schedule: str = field(default="flush", metadata=_help("flush: every step drains the pipeline, so no gradient is stale (learns per sample as one process does); delayed: microbatches flow across steps on one-step-old weights (more tokens/s, far less learned per sample); see docs/convergence.md"))
+    replica_sync: str = field(default="gradients", metadata=_help("gradients: --target-batch-size is the whole swarm's batch and the replicas of a stage add up their gradients before every step (needs --pipeline-schedule flush); periodic: every replica steps on its own batch and only the averaging rounds bring replicas together; see docs/convergence.md"))
     averaging_period: float = field(default=15.0, metadata=_help("seconds between in-stage averaging rounds"))
     seed: int = field(default=0, metadata=_help("seed of initialisation and data order"))
     data: tuple[str, ...] = field(default=(), metadata=_help("text files to train on (default: Python's built-in documentation)"))
@@ -162,3 +168,9 @@ class BootstrapConfig:
             raise ValueError("--log-level must be DEBUG, INFO, WARNING or ERROR")
         if not 1 <= self.num_stages <= self.num_layers:
             raise ValueError(f"--num-stages must be between 1 and --num-layers ({self.num_layers})")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
+        if self.replica_sync not in REPLICA_SYNCS:
+            raise ValueError(f"--replica-sync must be one of {', '.join(REPLICA_SYNCS)}, got {self.replica_sync!r}")
+        if self.replica_sync == "gradients" and self.pipeline_schedule != "flush":
+            raise ValueError("--replica-sync gradients needs --pipeline-schedule flush; give --replica-sync periodic with delayed")

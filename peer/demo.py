@@ -4,7 +4,8 @@
 
 Starts run_bootstrap.py and N run_peer.py processes on 127.0.0.1 (they find each other through the
 DHT and negotiate their stages themselves), prints the swarm's loss, tokens/s and peers per stage
-every few seconds, stops every process after ``--duration`` seconds of training, and prints the
+and its latest held-out loss (measured through the pipeline by the stage-0 peers) every few
+seconds, stops every process after ``--duration`` seconds of training, and prints the
 initial and final loss. Exits 0 if the loss fell.
 """
 
@@ -60,7 +61,8 @@ def run_demo(swarm: LocalSwarm, args: argparse.Namespace) -> int:
         time.sleep(args.print_period)
         print(progress_line(swarm, time.monotonic() - started, args.print_period), flush=True)
     initial, final = loss_trend(swarm)
-    print(f"initial loss {initial:.3f} → final loss {final:.3f} (nats/token; ln 256 = 5.545 is chance)")
+    print(f"initial loss {initial:.3f} → final loss {final:.3f} (nats/token; ln 256 = 5.545 is chance); "
+          f"held-out loss {latest_val_loss(swarm):.3f}")
     return 0 if final < initial else 1
 
 
@@ -78,7 +80,13 @@ def progress_line(swarm: LocalSwarm, elapsed: float, window: float) -> str:
             stages[status[0]["stage"]] = stages.get(status[0]["stage"], 0) + 1
     loss = statistics.mean(losses) if losses else math.nan
     layout = ", ".join(f"stage {k}: {n} peer{'s' * (n != 1)}" for k, n in sorted(stages.items()))
-    return f"[{elapsed:5.0f}s] loss {loss:.3f} | {tokens:,.0f} tokens/s | {layout}"
+    return f"[{elapsed:5.0f}s] loss {loss:.3f} | held-out {latest_val_loss(swarm):.3f} | {tokens:,.0f} tokens/s | {layout}"
+
+
+def latest_val_loss(swarm: LocalSwarm) -> float:
+    """The newest held-out loss any stage-0 peer measured through the pipeline (NaN before the first)."""
+    evals = [e for p in swarm.peers for e in p.events("eval")]
+    return max(evals, key=lambda e: e["t"])["val_loss"] if evals else math.nan
 
 
 def loss_trend(swarm: LocalSwarm) -> tuple[float, float]:

@@ -73,7 +73,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 <div class="cards" id="cards"></div>
 <section><h2>Stage map</h2><div class="stages" id="stage-map"></div></section>
 <section><h2>Over time</h2><div class="plots">
-  <div class="plot"><div class="muted">loss (nats/token), last stage</div><svg id="plot-loss" width="100%" height="190" viewBox="0 0 560 190"></svg></div>
+  <div class="plot"><div class="muted">loss (nats/token): training, last stage (solid); held-out, through the pipeline (dashed)</div><svg id="plot-loss" width="100%" height="190" viewBox="0 0 560 190"></svg></div>
   <div class="plot"><div class="muted">tokens/s</div><svg id="plot-throughput" width="100%" height="190" viewBox="0 0 560 190"></svg><div class="legend" id="legend"></div></div>
 </div></section>
 <section><h2>Peers</h2><table><thead><tr><th>peer</th><th>stage</th><th>state</th><th>role</th><th>version</th>
@@ -208,7 +208,8 @@ function render(doc) {
   renderStageMap(doc);
   renderPeers(doc);
   const times = doc.history.map(p => p.t);
-  plot("plot-loss", times, [{values: doc.history.map(p => p.loss), color: LOSS_COLOR, width: 2.5}]);
+  plot("plot-loss", times, [{values: doc.history.map(p => p.loss), color: LOSS_COLOR, width: 2.5},
+                            {values: doc.history.map(p => p.val_loss === undefined ? null : p.val_loss), color: LOSS_COLOR, width: 2, dash: "6 4"}]);
   const perStage = Array.from({length: doc.num_stages}, (_, k) => ({
     values: doc.history.map(p => p.stage_tokens_per_s[k] === undefined ? null : p.stage_tokens_per_s[k]),
     color: STAGE_COLORS[k % STAGE_COLORS.length], width: 1.5}));

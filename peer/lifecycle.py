@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
+from dht.node import visible_maddrs
 from dht.records import PeerRecord, RunSpec
 from dht.registry import declare_peer, dht_time
 from dht.reputation import Reputation
@@ -48,7 +48,7 @@ from peer.checkpoint import (
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.faults import inject_bad_updates, inject_corrupt_shards, inject_wrong_outputs, read_faults
-from peer.join import fetch_spec, negotiate_stage, pull_stage_state, stage_state_bytes
+from peer.join import fetch_spec, negotiate_stage, open_swarm_dht, pull_stage_state, stage_state_bytes
 from peer.metrics import MetricsLog
 from peer.profiler import (
     available_memory_bytes,
@@ -81,6 +81,7 @@ from replication.transfer import PullResult, TransferError
 from swarm.averaging import StageAverager
 from swarm.data import DataError, TokenSampler, data_seed, load_corpus
 from swarm.failure_detector import FailureDetector
+from swarm.gradient_sync import GradientSync
 from swarm.membership import MembershipNotices, membership_handler
 from swarm.model import stage_flops_per_sample
 from swarm.relayout import BadPieceError, compose_stage_state
@@ -95,6 +96,7 @@ from swarm.view import SwarmView
 logger = logging.getLogger(__name__)
 MIB = 2**20
 LEAVE_TIMEOUT = 10.0
+GRADIENT_SYNC_TIMEOUT = 10.0  # seconds a replica waits for a silent co-replica's gradients before stepping without
 PAUSE_FILE_PERIOD = 0.5
 DISAGREEMENT_PATIENCE = 60.0  # seconds a joiner retries holders that serve different states
 DISAGREEMENT_RETRY = 2.0
@@ -120,6 +122,7 @@ class Peer:
         self.stage: Stage | None = None
         self.view: SwarmView | None = None
         self.server: StageServer | None = None
+        self.gradient_sync: GradientSync | None = None
         self.replication: ReplicationServer | None = None
         self.notices: MembershipNotices | None = None
         self.status_protocol: StatusProtocol | None = None  # /murmuration/status/1.0.0 for any libp2p client
@@ -173,16 +176,7 @@ class Peer:
         if self.faults:
             logger.warning(f"test-only fault injection: this peer will misbehave ({', '.join(sorted(self.faults))})")
         UPLOAD_LIMIT.configure(config.max_upload_mbps * 1e6 / 8)
-        try:
-            node_config = DHTNodeConfig(initial_peers=config.bootstrap, host_maddrs=config.host_maddrs,
-                                        announce_maddrs=config.announce_maddrs, identity_path=config.identity_path,
-                                        client_mode=config.client_mode, start_timeout=config.join_timeout)
-        except ValueError as e:
-            raise UserError(f"{e}; copy the bootstrap's address as run_bootstrap.py prints it.") from e
-        try:
-            self.dht, self.validator = await asyncio.to_thread(open_dht, node_config)
-        except BootstrapError as e:
-            raise UserError(f"Cannot reach the swarm: {e}; check that the bootstrap is running and its multiaddr is right.") from e
+        self.dht, self.validator = await open_swarm_dht(config)
         self.peer_id = self.dht.peer_id.to_base58()
         self.maddrs = tuple(visible_maddrs(self.dht)[:4])  # read once: every heartbeat carries them
         logger.info(f"joined the DHT as {self.peer_id} ({self.role}); reachable at {' '.join(self.maddrs)}")
@@ -434,6 +428,13 @@ class Peer:
                                   on_microbatch=self._on_microbatch, on_event=self._on_stage_event,
                                   ledger=MicrobatchLedger() if replay else None, reputation=self.reputation)
         await self.server.start()
+        self.gradient_sync = None
+        if spec.replica_sync == "gradients":
+            self.gradient_sync = GradientSync(self.p2p, self.view, stage, peer_id=self.peer_id,
+                                              timeout=min(config.request_timeout, GRADIENT_SYNC_TIMEOUT),
+                                              max_payload_bytes=max_payload, aggregation=config.aggregation,
+                                              on_event=self._on_stage_event)
+            await self.gradient_sync.start()
         self.replication = ReplicationServer(self.p2p, run_id=spec.namespace, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout,
                                              backup_fn=self.keeper.backup_fn)
@@ -465,9 +466,12 @@ class Peer:
             ("failure-detector", self.detector.run(train_stop)),
         )]
         if stage.is_first:
-            self.trainer = Trainer(stage, self._make_sampler(), router, peer_id=self.peer_id,
+            sampler = self._make_sampler()
+            self.trainer = Trainer(stage, sampler, router, peer_id=self.peer_id,
                                    max_in_flight=config.max_in_flight, on_microbatch=self._on_microbatch,
-                                   on_event=self._on_stage_event, sticky=replay,
+                                   on_event=self._on_stage_event, sticky=replay, eval_every=config.eval_every,
+                                   heldout=sampler.heldout_batches(config.eval_sequences, spec.microbatch_size),
+                                   batch_share=self.gradient_sync and self.gradient_sync.share,
                                    stage_flops=[stage_flops_per_sample(spec, k) for k in range(spec.num_stages)])
             self._tasks.append(asyncio.create_task(self.trainer.run(train_stop), name="trainer"))
         if config.pause_file:  # after the trainer exists, so a pause reaches it
@@ -710,6 +714,9 @@ class Peer:
                 await service.shutdown()
         if self.server is not None:
             await self.server.stop(timeout=LEAVE_TIMEOUT)  # no request may reach a stage being shut down
+        if self.gradient_sync is not None:
+            await self.gradient_sync.stop()
+            self.gradient_sync = None
         for closer in (self.averager and self.averager.shutdown, self.stage and self.stage.shutdown):
             if closer:
                 closer()
@@ -727,6 +734,7 @@ class Peer:
             num_samples=counters.num_samples if counters else 0,
             version=self.stage.version if self.stage else 0,
             loss=counters.last_loss if counters else math.nan, announced_at=self.announced_at,
+            val_loss=self.trainer.last_val_loss if self.trainer is not None else math.nan,
             backup_stage=backup.stage if backup else -1, backup_version=backup.version if backup else 0,
             maddrs=self.maddrs, params_digest=self.averaged[1], averaged_at=self.averaged[0],
             software_version=SOFTWARE_VERSION, bytes_sent=self.traffic.bytes_sent,
@@ -811,7 +819,7 @@ class Peer:
         a peer back at work is no longer avoided."""
         started = time.perf_counter()
         if kind == "scale_out" and self.router is not None and record.stage == self.router.next_stage:
-            self.router.failed_until.pop(record.peer_id, None)
+            self.router.link_up(record.peer_id)
         self.metrics.write("primitive", kind=kind, peer_id=record.peer_id, stage=record.stage, how="view",
                            handle_ms=(time.perf_counter() - started) * 1e3)
 
@@ -821,9 +829,9 @@ class Peer:
         started = time.perf_counter()
         if self.router is not None:
             if kind == "disconnect_link":
-                self.router.failed_until[peer_id] = time.monotonic() + self.router.failure_cooldown
+                self.router.link_down(peer_id)
             else:
-                self.router.failed_until.pop(peer_id, None)
+                self.router.link_up(peer_id)
         self.metrics.write("primitive", kind=kind, peer_id=peer_id, handle_ms=(time.perf_counter() - started) * 1e3)
 
     def _on_rumour(self, peer_id: str, sender: str) -> None:

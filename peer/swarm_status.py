@@ -68,13 +68,16 @@ def swarm_totals(records: Sequence[PeerRecord], *, num_stages: int, seq_len: int
 
     Returns:
         ``{"tokens_per_s", "loss" (mean over last-stage training peers that report one, or None),
+        "val_loss" (mean held-out loss over the stage-0 training peers that measured one, or None),
         "num_peers", "num_training"}``
     """
     last = [r for r in records if r.stage == num_stages - 1 and r.state == "training"]
     losses = [r.loss for r in last if math.isfinite(r.loss)]
+    val_losses = [r.val_loss for r in records if r.stage == 0 and r.state == "training" and math.isfinite(r.val_loss)]
     return {
         "tokens_per_s": round(sum(r.samples_per_s for r in last) * seq_len, 1),
         "loss": round(sum(losses) / len(losses), 4) if losses else None,
+        "val_loss": round(sum(val_losses) / len(val_losses), 4) if val_losses else None,
         "num_peers": len(records),
         "num_training": sum(r.state == "training" for r in records),
     }
@@ -89,7 +92,8 @@ class SwarmHistory:
     def record(self, t: float, totals: dict[str, Any], stages: Sequence[dict[str, Any]]) -> None:
         if self._points and t <= self._points[-1]["t"]:
             return
-        self._points.append({"t": round(t, 3), "loss": totals["loss"], "tokens_per_s": totals["tokens_per_s"],
+        self._points.append({"t": round(t, 3), "loss": totals["loss"], "val_loss": totals.get("val_loss"),
+                             "tokens_per_s": totals["tokens_per_s"],
                              "stage_tokens_per_s": [s["tokens_per_s"] for s in stages]})
 
     def points(self) -> list[dict[str, Any]]:

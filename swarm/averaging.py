@@ -4,7 +4,7 @@ Rounds are aligned to the DHT clock: every replica of stage k schedules its roun
 multiple of ``averaging_period``, so all of them look for a group at the same moment without
 anyone coordinating. Matchmaking runs in the background (hivemind's ``DecentralizedAverager`` with
 ``require_trigger``) while the stage keeps training; only at the scheduled time does the stage
-pause (drain its in-flight microbatches), copy its parameters in, trigger the all-reduce, and copy
+hold its optimizer steps (forwards and backwards go on), copy its parameters in, trigger the all-reduce, and copy
 the average back. After a round every member of the group holds a bit-identical training state
 (averaging runs on float64 copies; see ``__init__``), which the stage keeps as its snapshot for
 joiners: every replica serves the same bytes under the same version (the round's time).

@@ -68,6 +68,20 @@ class TokenSampler:
         self.seq_len = seq_len
         self._rng = np.random.default_rng(seed)
 
+    def heldout_batches(self, num_sequences: int, microbatch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The held-out set every peer and every benchmark evaluates on: the first ``num_sequences``
+        non-overlapping windows of the held-out slice (fewer if it is shorter), in microbatches.
+        No randomness: the same corpus gives the same set in every process, so held-out losses of a
+        swarm and of one process are comparable."""
+        if num_sequences < 1 or microbatch_size < 1:
+            raise ValueError("num_sequences and microbatch_size must be positive")
+        window = self.seq_len + 1
+        count = min(num_sequences, len(self.val_tokens) // window)
+        windows = self.val_tokens[: count * window].reshape(count, window).astype(np.int64)
+        return [(torch.from_numpy(windows[i : i + microbatch_size, :-1].copy()),
+                 torch.from_numpy(windows[i : i + microbatch_size, 1:].copy()))
+                for i in range(0, count, microbatch_size)]
+
     def sample(self, batch_size: int, *, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A microbatch: int64 ``inputs`` and ``targets`` of shape ``(batch_size, seq_len)``."""
         tokens = self.val_tokens if validation else self.train_tokens

@@ -29,12 +29,13 @@ and a fraction of the answers is recomputed by another replica of the next stage
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -199,7 +200,7 @@ class Router:
         """The answer without its fingerprint, after drawing whether to spot-check it."""
         reply, reply_tensors = answer
         checker = self.spot_checker
-        if checker is None or not checker.is_enabled:
+        if checker is None or not checker.is_enabled or header.get("kind") == "eval":  # held-out loss: nothing to check
             return answer
         fingerprint = reply_tensors[1] if len(reply_tensors) == 2 else None
         if checker.should_check():
@@ -214,7 +215,30 @@ class Router:
         Calls already waiting on it are left alone: a leaving peer drains them, a crashed one's
         connections are reset so they fail at once, and abandoning a call to a peer that is only
         suspected (a busy host stalls) would get its microbatch counted by two replicas."""
+        self.link_down(peer_id)
+
+    def link_down(self, peer_id: str) -> None:
+        """``peer_id`` missed pings or declined: route around it for ``failure_cooldown`` seconds,
+        without declaring it gone (seed 003 §IV disconnect-link)."""
         self.failed_until[peer_id] = time.monotonic() + self.failure_cooldown
+
+    def link_up(self, peer_id: str) -> None:
+        """``peer_id`` answers again, or came back to work: route to it again (connect-link, scale-out)."""
+        self.failed_until.pop(peer_id, None)
+
+    @contextlib.contextmanager
+    def reserved_path(self, path: Sequence[str]) -> Iterator[None]:
+        """Count a stage-0 microbatch as out at every peer of ``path`` while inside (the path planner
+        spreads the next microbatches by these counts)."""
+        for peer_id in path:
+            self.path_in_flight[peer_id] += 1
+        try:
+            yield
+        finally:
+            for peer_id in path:
+                self.path_in_flight[peer_id] -= 1
+                if self.path_in_flight[peer_id] <= 0:
+                    del self.path_in_flight[peer_id]
 
     def call_timeout(self, target: str | None = None) -> float:
         """Deadline of one forward call: 8x the 95th percentile of the last answered calls (which
@@ -271,7 +295,7 @@ class Router:
         """
         mb_id = str(header.get("mb_id"))
         checker = self.spot_checker
-        if checker is not None and checker.is_enabled:
+        if checker is not None and checker.is_enabled and header.get("kind") != "eval":
             header = {**header, "fp": True}  # on every request, so a replica cannot tell which are checked
         path = header.get("path")
         planned = path[self.next_stage - 1] if isinstance(path, list) and len(path) >= self.next_stage else ""

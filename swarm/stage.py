@@ -4,15 +4,25 @@ All torch work of a stage runs on one dedicated thread, so the event loop stays 
 I/O and compute never interleaves with itself. A microbatch's forward keeps its autograd graph
 until the gradient of its output comes back (the "backward retraces the route").
 
-Delayed parameter updates (seed 000 §3.2 "Aggregation process"; PipeDream-2BW's weight versions).
-The optimizer owns the *master* parameters (``self.model``'s). Forwards never touch them: each runs
-``torch.func.functional_call`` on the current *version*, a detached copy of the master taken after
-every optimizer step or averaging round. A step therefore never modifies a tensor an in-flight
-graph saved, so nothing drains: the pipeline keeps flowing through steps. Gradients of every
-backward are accumulated in a buffer by parameter name; after ``target_batch_size`` samples the stage
-divides by the number of microbatches, clips, sets the master's ``.grad`` and steps. Microbatches in
-flight across a step were computed on the previous version and count toward the next step (a
-one-step delay). Memory cost: one extra copy of the stage's parameters (two while old graphs live).
+Weight versions (PipeDream-2BW). The optimizer owns the *master* parameters (``self.model``'s).
+Forwards never touch them: each runs ``torch.func.functional_call`` on the current *version*, a
+detached copy of the master taken after every optimizer step or averaging round, so a step never
+modifies a tensor an in-flight graph saved. Gradients of every backward are accumulated in a buffer by
+parameter name; at a step the stage divides by the number of microbatches, clips, sets the master's
+``.grad`` and steps. Memory cost: one extra copy of the stage's parameters (two while old graphs live).
+
+What a step means is the run spec's (docs/convergence.md):
+
+- ``pipeline_schedule = "flush"`` (default): a microbatch of the next batch waits for the step that
+  is due (:meth:`Stage.wait_current_weights`), so every gradient is computed on the current weights.
+  ``"delayed"`` (seed 000 §3.2's delayed parameter updates): microbatches in flight across a step were
+  computed on the previous version and count toward the next step (a one-step delay), and nothing
+  waits.
+- ``replica_sync = "gradients"`` (default): a step ends one batch of the whole swarm; microbatches
+  carry their batch number, the stage closes a batch when its trainer (stage 0), a microbatch of the
+  next batch or a co-replica says it is over, and adds its co-replicas' gradients before it steps
+  (``combine``, wired by :class:`swarm.gradient_sync.GradientSync`; ``version`` is then the batch
+  number). ``"periodic"``: the stage steps on its own ``target_batch_size`` samples.
 
 :meth:`Stage.paused` excludes optimizer steps (forwards and backwards go on): in-stage averaging
 (:mod:`swarm.averaging`) uses it so that no local step falls between copying the state out and the
@@ -24,12 +34,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -38,6 +46,8 @@ from torch.func import functional_call
 from dht.records import RunSpec
 from dht.rpc import Declined
 from swarm.model import StageModel, next_token_loss
+from swarm import stage_state
+from swarm.stage_state import StageCounters
 from swarm.spot_check import output_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -48,30 +58,6 @@ OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 class StageClosedError(Declined):
     """The stage was shut down (the peer is leaving); no more compute is accepted."""
-
-
-@dataclass
-class StageCounters:
-    """What the stage has done since the peer started (read by heartbeats and the dashboard)."""
-
-    num_samples: int = 0
-    num_microbatches: int = 0
-    num_steps: int = 0
-    last_loss: float = math.nan
-    samples_per_s: float = 0.0
-    _window_start: float = 0.0
-    _window_samples: int = 0
-
-    def add_samples(self, count: int, now: float) -> None:
-        self.num_samples += count
-        self.num_microbatches += 1
-        if self._window_start == 0.0:
-            self._window_start = now
-        self._window_samples += count
-        elapsed = now - self._window_start
-        if elapsed >= 5.0:  # refresh the rate every 5 s of wall time
-            self.samples_per_s = self._window_samples / elapsed
-            self._window_start, self._window_samples = now, 0
 
 
 class Stage:
@@ -104,6 +90,10 @@ class Stage:
         self._accumulated_samples = 0
         self._step_task: asyncio.Task | None = None
         self._closed = False
+        # replica_sync "gradients": adds this replica's gradient sum of a batch to its co-replicas'
+        # (swarm.gradient_sync.GradientSync.combine); None: alone, the local sum is the batch's
+        self.combine: Callable[[int, torch.Tensor, int], Awaitable[tuple[torch.Tensor, int]]] | None = None
+        self._closing_batch: int | None = None
 
     @property
     def is_first(self) -> bool:
@@ -133,24 +123,74 @@ class Stage:
         """Microbatches whose forward ran here and whose backward has not (or was dropped)."""
         return len(self._in_flight)
 
-    async def forward(self, mb_id: str, inputs: torch.Tensor) -> torch.Tensor:
+    @property
+    def syncs_gradients(self) -> bool:
+        return self.spec.replica_sync == "gradients"
+
+    async def wait_current_weights(self, batch: int | None = None) -> None:
+        """Under the ``flush`` schedule, wait for a step that is due or running: a microbatch that
+        arrives after a batch completed belongs to the next batch and must see the stepped weights
+        (its batch was injected only after every gradient of the last one came back). Under
+        ``delayed`` it computes on the current version at once. Under ``replica_sync = "gradients"``
+        a microbatch of a later ``batch`` than this replica's first closes the batches before it
+        (a replica more than one batch behind jumps to the one before ``batch``)."""
+        if self.spec.pipeline_schedule == "flush":
+            await self.wait_step_done()
+        if batch is None or not self.syncs_gradients:
+            return
+        if batch > self.version + 1 and self._step_task is None:
+            self.counters.num_steps = batch - 1
+        while self.version < batch:
+            before = self.version
+            await self.close_batch()
+            if self.version == before:  # the step failed or the stage shut down
+                return
+
+    def note_batch(self, batch: int, *, from_replica: bool) -> None:
+        """A co-replica speaks of ``batch`` (``swarm.gradient_sync``): a replica behind jumps to it; a
+        later stage closes it (the co-replica closed it, so stage 0 finished it)."""
+        if not self.syncs_gradients:
+            return
+        if batch > self.version and self._step_task is None:
+            self.counters.num_steps = batch
+        if from_replica and not self.is_first and batch == self.version:
+            self.request_close()
+
+    def is_closing(self, batch: int) -> bool:
+        """Whether this replica is adding up its co-replicas' contributions to ``batch`` right now."""
+        return self._closing_batch == batch
+
+    def request_close(self) -> None:
+        """Start the step that ends the current batch, unless one is due or running."""
+        if self._step_task is None and not self._closed:
+            self._step_task = asyncio.create_task(self._step())
+
+    async def close_batch(self) -> None:
+        """End the current batch: add the co-replicas' gradients (``combine``) and step."""
+        self.request_close()
+        await self.wait_step_done()
+
+    async def forward(self, mb_id: str, inputs: torch.Tensor, *, batch: int | None = None) -> torch.Tensor:
         """Forward of a first or middle stage; keeps the graph until :meth:`backward` or :meth:`drop`."""
         if mb_id in self._in_flight:
             raise ValueError(f"microbatch {mb_id} is already in flight here")
         self._in_flight.add(mb_id)  # reserved before the first await: a concurrent duplicate is refused
         try:
+            await self.wait_current_weights(batch)
             return await self.run(self._forward_sync, mb_id, inputs)
         except BaseException:
             self._in_flight.discard(mb_id)
             self._graphs.pop(mb_id, None)
             raise
 
-    async def forward_fingerprinted(self, mb_id: str, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    async def forward_fingerprinted(self, mb_id: str, inputs: torch.Tensor, *,
+                                    batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
         """:meth:`forward`, plus the fingerprint of its outputs and the tag of the weights it used."""
         if mb_id in self._in_flight:
             raise ValueError(f"microbatch {mb_id} is already in flight here")
         self._in_flight.add(mb_id)
         try:
+            await self.wait_current_weights(batch)
             return await self.run(self._forward_fingerprinted_sync, mb_id, inputs)
         except BaseException:
             self._in_flight.discard(mb_id)
@@ -181,26 +221,38 @@ class Stage:
         self._graphs.pop(mb_id, None)
 
     async def forward_loss_backward(
-        self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulate: bool = True,
+        self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulate: bool = True, batch: int | None = None,
     ) -> tuple[float, torch.Tensor | None]:
         """Last stage: forward, loss, backward in one go; returns the loss and the input gradient
         (``accumulate`` as in :meth:`backward`)."""
+        await self.wait_current_weights(batch)
         loss, grad, _, _ = await self.run(self._forward_loss_backward_sync, inputs, targets, accumulate)
         return loss, grad
 
     async def forward_loss_backward_fingerprinted(
-        self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulate: bool = True,
+        self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulate: bool = True, batch: int | None = None,
     ) -> tuple[float, torch.Tensor | None, torch.Tensor, str]:
         """:meth:`forward_loss_backward`, plus the fingerprint of the logits and the weights' tag."""
+        await self.wait_current_weights(batch)
         return await self.run(self._forward_loss_backward_sync, inputs, targets, accumulate, True)
+
+    async def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | float:
+        """A held-out forward on the current weights, no graph kept, nothing counted: this stage's
+        outputs, or on the last stage (``targets`` given) the mean next-token loss."""
+        await self.wait_current_weights()
+        return await self.run(self._evaluate_sync, inputs, targets)
 
     def record_microbatch(self, batch_size: int, loss: float | None = None) -> None:
         """Count a finished microbatch; start an optimizer step once the batch is complete."""
         self.counters.add_samples(batch_size, time.monotonic())
         if loss is not None:
             self.counters.last_loss = loss
-        if self._accumulated_samples >= self.spec.target_batch_size and self._step_task is None:
-            self._step_task = asyncio.create_task(self._step())
+        if self._accumulated_samples < self.spec.target_batch_size or self._step_task is not None:
+            return
+        if not self.syncs_gradients or self.combine is None or not self.is_first:
+            # per-replica batches; or alone (no gradient exchange wired: the local sum is the batch); or
+            # a later stage the whole swarm batch came through: nobody else has any of it
+            self.request_close()  # (a wired stage 0's trainer closes its batches itself)
 
     async def wait_step_done(self) -> None:
         if self._step_task is not None:
@@ -214,55 +266,19 @@ class Stage:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Parameters, optimizer state and the stage's identity as named CPU tensors (compute thread)."""
-        state = {f"model.{k}": v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                for key, value in self.optimizer.state.get(param, {}).items():
-                    state[f"optim.{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().clone()
-        state["counters.num_steps"] = torch.tensor(self.counters.num_steps, dtype=torch.int64)
-        state["stage.layers"] = torch.tensor([self.index, *self.spec.stage_layers[self.index]], dtype=torch.int64)
-        return state
+        return stage_state.state_tensors(self.model, self.optimizer, num_steps=self.counters.num_steps,
+                                         identity=self._identity())
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of :meth:`state_tensors` (compute thread). Checks everything first, then loads:
         on ``ValueError`` the stage is unchanged."""
-        identity = torch.tensor([self.index, *self.spec.stage_layers[self.index]], dtype=torch.int64)
-        if "stage.layers" not in state or not torch.equal(state["stage.layers"], identity):
-            raise ValueError(f"the state is not of stage {self.index} (layers {list(self.spec.stage_layers[self.index])})")
-        model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-        expected = self.model.state_dict()
-        if set(model_state) != set(expected):
-            raise ValueError("downloaded state does not have this stage's parameters")
-        for name, value in model_state.items():
-            if value.shape != expected[name].shape or value.dtype != expected[name].dtype:
-                raise ValueError(f"downloaded {name} is {value.dtype}{list(value.shape)}, expected {list(expected[name].shape)}")
-        optim_state = self._parse_optimizer_state(state)
-        steps = state.get("counters.num_steps", torch.tensor(0))
-        if steps.dim() != 0 or steps.dtype != torch.int64 or int(steps) < 0:
-            raise ValueError("downloaded step counter is not a non-negative integer")
-        self.model.load_state_dict(model_state)
-        params = dict(self.model.named_parameters())
-        for name, entries in optim_state.items():
-            self.optimizer.state[params[name]] = {
-                k: v.clone() if k == "step" else v.to(self.device) for k, v in entries.items()
-            }
-        self.counters.num_steps = int(steps)
+        self.counters.num_steps = stage_state.load_state_tensors(self.model, self.optimizer, state,
+                                                                 identity=self._identity(), device=self.device)
         self._publish_weights()
         self.weights_tag = ""  # whether others hold the same weights now is not known here
 
-    def _parse_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        params = dict(self.model.named_parameters())
-        optim_state: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in state.items():
-            if key.startswith("optim."):
-                param_name, entry = key[len("optim."):].rsplit(".", 1)
-                if param_name not in params:
-                    raise ValueError(f"downloaded optimizer state names an unknown parameter {param_name!r}")
-                if entry != "step" and value.shape != params[param_name].shape:
-                    raise ValueError(f"downloaded optimizer state {key} has shape {list(value.shape)}")
-                optim_state.setdefault(param_name, {})[entry] = value
-        return optim_state
+    def _identity(self) -> torch.Tensor:
+        return torch.tensor([self.index, *self.spec.stage_layers[self.index]], dtype=torch.int64)
 
     def accumulated_gradients(self) -> dict[str, torch.Tensor]:
         """Gradients summed over the microbatches since the last step, by parameter name (a copy)."""
@@ -296,11 +312,7 @@ class Stage:
 
     def params_digest(self) -> str:
         """A short hash of the parameters' bytes (call on the compute thread)."""
-        digest = hashlib.blake2b(digest_size=12)
-        for name, value in sorted(self.model.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()
+        return stage_state.params_digest(self.model)
 
     def shutdown(self) -> None:
         self._closed = True
@@ -317,6 +329,9 @@ class Stage:
 
     async def _step(self) -> None:
         try:
+            if self.syncs_gradients and self.combine is not None:
+                await self._step_with_replicas()
+                return
             async with self._step_lock:
                 await self.run(self._step_sync)
         except StageClosedError:
@@ -325,6 +340,42 @@ class Stage:
             logger.exception("optimizer step failed")
         finally:
             self._step_task = None
+
+    async def _step_with_replicas(self) -> None:
+        """``replica_sync = "gradients"``: this replica's gradients of the batch, plus its
+        co-replicas' (outside the step lock, so an averaging round cannot wait on the exchange),
+        then the step."""
+        batch = self._closing_batch = self.version
+        try:
+            gradients, count = await self.run(self._take_gradients)
+            if self.combine is not None:
+                gradients, count = await self.combine(batch, gradients, count)
+            async with self._step_lock:
+                await self.run(self._apply_gradients_sync, gradients, count)
+        finally:
+            self._closing_batch = None
+
+    def _take_gradients(self) -> tuple[torch.Tensor, int]:
+        """The batch's gradient sum, flat, and its microbatch count; the buffer starts empty again."""
+        flat, count = stage_state.flat_gradients(self.model, self._grad_buffer), self._accumulated_microbatches
+        self._grad_buffer = {}
+        self._accumulated_microbatches = self._accumulated_samples = 0
+        return flat, count
+
+    def _apply_gradients_sync(self, gradients: torch.Tensor, count: int) -> None:
+        """Step on the swarm's gradient sum of the batch, divided by its number of microbatches."""
+        self.counters.num_steps += 1
+        if count == 0:
+            return  # nobody computed anything of this batch: its number passes, the weights stay
+        stage_state.set_gradients(self.model, gradients / count)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        else:
+            logger.warning(f"stage {self.index}: skipped a step with a non-finite gradient norm")
+        self.optimizer.zero_grad(set_to_none=True)
+        self._publish_weights()
+        self.weights_tag = ""
 
     def _publish_weights(self) -> None:
         """A new weight version: detached copies of the master that forwards from now on use."""
@@ -356,6 +407,13 @@ class Stage:
         with torch.no_grad():
             outputs = self._outputs(weights, inputs.to(self.device))
         return output_fingerprint(outputs), tag
+
+    def _evaluate_sync(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | float:
+        with torch.no_grad():
+            outputs = functional_call(self.model, self._weights, (inputs.to(self.device),))
+            if targets is None:
+                return outputs.cpu()
+            return float(next_token_loss(outputs, targets.to(self.device)))
 
     def _backward_sync(self, mb_id: str, grad_outputs: torch.Tensor, accumulate: bool = True) -> torch.Tensor | None:
         inputs, outputs, weights = self._graphs.pop(mb_id)

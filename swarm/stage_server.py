@@ -9,6 +9,10 @@ took. Every request is validated against the run spec (shapes, dtypes, finitenes
 route consistency) before any compute; a bad one is refused with a logged reason and the server
 keeps serving.
 
+A request of ``"kind": "eval"`` carries a held-out microbatch: every stage runs its forward on its
+current weights and passes it on, the last stage answers with the loss; nothing is kept, counted or
+entered in the ledger, and no gradient flows back (see :meth:`swarm.trainer.Trainer.evaluate`).
+
 A request with ``"fp": true`` (its sender spot-checks) is answered with a fingerprint of this
 stage's outputs as a second tensor and the weights' tag in ``"weights"``; a request of ``"kind":
 "check"`` is a spot check's recompute: the forward alone, answered with the fingerprint only, no
@@ -121,17 +125,23 @@ class StageServer:
             raise Declined("this peer is paused")
         stage = self.stage
         mb_id, route, batch_size, path = _check_forward_header(header, stage.spec.microbatch_size, stage.index, stage.spec.num_stages)
+        batch = header.get("batch")  # the stage-0 batch it belongs to (swarm/gradient_sync.py)
+        if batch is not None and (type(batch) is not int or not 0 <= batch < 2**53):
+            raise ProtocolError("batch must be a non-negative integer")
         activations, targets = self._check_forward_tensors(tensors, batch_size)
         if header.get("kind") == "check":  # a spot check: the forward alone, nothing kept, sent on or counted
             wanted = header.get("weights")
             fingerprint, tag = await stage.check_forward(activations, weights_tag=wanted if isinstance(wanted, str) else "")
             self.num_checks_served += 1
             return {"ok": True, "weights": tag}, [fingerprint]
+        if header.get("kind") == "eval":  # held-out loss: forward only, nothing kept, counted or entered in the ledger
+            return await self._evaluate(mb_id, route, batch_size, activations, targets)
         fingerprint = header.get("fp") is True  # the sender spot-checks: answer every request with a fingerprint
         route = [*route, [self.peer_id, stage.index, stage.version]]
         ledger = self.ledger
         if ledger is None:
-            return await self._compute(mb_id, route, path, batch_size, activations, targets, count=True, fingerprint=fingerprint)
+            return await self._compute(mb_id, route, path, batch_size, activations, targets, count=True,
+                                       fingerprint=fingerprint, batch=batch)
         running = ledger.running(mb_id)
         if running is not None:  # a re-delivery while the first is still being computed here
             reply, reply_tensors = await asyncio.shield(running)
@@ -144,7 +154,7 @@ class StageServer:
         ledger.begin(mb_id)
         try:
             reply, reply_tensors = await self._compute(mb_id, route, path, batch_size, activations, targets, count=count,
-                                                       fingerprint=fingerprint)
+                                                       fingerprint=fingerprint, batch=batch)
         except BaseException as e:
             ledger.fail(mb_id, e)
             raise
@@ -166,12 +176,14 @@ class StageServer:
     async def _compute(
         self, mb_id: str, route: list, path: list[str] | None, batch_size: int,
         activations: torch.Tensor, targets: torch.Tensor, *, count: bool, fingerprint: bool = False,
+        batch: int | None = None,
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """This stage's forward and backward of one microbatch (through the rest of the pipeline);
         with ``fingerprint``, the reply also carries the outputs' fingerprint and the weights' tag."""
         stage = self.stage
         if stage.is_last:
-            loss, grad, prints, tag = await stage.forward_loss_backward_fingerprinted(activations, targets, accumulate=count)
+            loss, grad, prints, tag = await stage.forward_loss_backward_fingerprinted(activations, targets, accumulate=count,
+                                                                                      batch=batch)
             if not math.isfinite(loss):
                 raise ProtocolError("the activations give a non-finite loss")
             self._counted(mb_id, batch_size, count, loss)
@@ -181,9 +193,10 @@ class StageServer:
                 return {"ok": True, "loss": loss, "route": route, "weights": tag}, [grad, prints]
             return {"ok": True, "loss": loss, "route": route}, [grad]
         local_id = f"{mb_id}#{next(self._local_ids)}"
-        outputs, prints, tag = await stage.forward_fingerprinted(local_id, activations)
+        outputs, prints, tag = await stage.forward_fingerprinted(local_id, activations, batch=batch)
         try:
-            request = {"mb_id": mb_id, "route": route, "batch_size": batch_size, **({"path": path} if path else {})}
+            request = {"mb_id": mb_id, "route": route, "batch_size": batch_size, **({"path": path} if path else {}),
+                       **({"batch": batch} if batch is not None else {})}
             reply, reply_tensors = await self.router.forward(request, [outputs, targets])
             grad_outputs = require_tensor(reply_tensors, 0, dtype=torch.float32, shape=tuple(outputs.shape), name="gradient")
             reply_route = reply.get("route")
@@ -197,6 +210,22 @@ class StageServer:
         if fingerprint:
             return {"ok": True, "loss": reply.get("loss"), "route": reply_route, "weights": tag}, [grad, prints]
         return {"ok": True, "loss": reply.get("loss"), "route": reply_route}, [grad]
+
+    async def _evaluate(self, mb_id: str, route: list, batch_size: int, activations: torch.Tensor,
+                        targets: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """A held-out microbatch: this stage's forward on its current weights, then the rest of the
+        pipeline's; the reply carries the last stage's loss and no tensor."""
+        stage = self.stage
+        if stage.is_last:
+            loss = await stage.evaluate(activations, targets)
+            if not math.isfinite(loss):
+                raise ProtocolError("the activations give a non-finite loss")
+            return {"ok": True, "loss": loss}, []
+        outputs = await stage.evaluate(activations)
+        route = [*route, [self.peer_id, stage.index, stage.version]]
+        request = {"mb_id": mb_id, "route": route, "batch_size": batch_size, "kind": "eval"}
+        reply, _ = await self.router.forward(request, [outputs, targets])
+        return {"ok": True, "loss": reply.get("loss")}, []
 
     def _counted(self, mb_id: str, batch_size: int, count: bool, loss: float | None = None) -> None:
         if count:

@@ -2,7 +2,13 @@
 
 Keeps up to ``max_in_flight`` microbatches in the pipeline at once, so that while stage k works on
 one microbatch, stage k+1 works on another (pipelining by concurrency rather than a global
-schedule; see :mod:`swarm.stage` for the delayed parameter updates that keep it flowing).
+schedule). The run spec's ``pipeline_schedule`` says what happens at a step: under ``flush`` (the
+default) the microbatches of one batch are in flight together and the next batch is drawn only after
+the stage stepped on this one, so no gradient is stale; under ``delayed`` microbatches keep flowing
+across steps on the previous weight version (see :mod:`swarm.stage` and docs/convergence.md).
+
+Every ``eval_every`` samples the trainer sends the fixed held-out set through the pipeline
+(forward only) and reports the held-out loss as an ``eval`` event.
 
 Every microbatch is a :class:`~swarm.task_pool.Task`: drawn once, kept until its gradient came back.
 One whose route broke goes back to the :class:`~swarm.task_pool.TaskPool` and is replayed (same id,
@@ -16,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from swarm.data import TokenSampler
 from swarm.router import NoPeerAvailableError, Router
@@ -44,6 +53,9 @@ class Trainer:
         on_event: Callable[..., None] = lambda event, **fields: None,
         stage_flops: Sequence[float] = (),
         sticky: bool = True,
+        heldout: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        eval_every: int = 0,
+        batch_share: Callable[[int], int] | None = None,
     ) -> None:
         if not stage.is_first:
             raise ValueError("only stage 0 owns data and injects microbatches")
@@ -59,18 +71,48 @@ class Trainer:
         self.num_unrouted = 0
         self.is_paused = False  # injects no new microbatch while set; in-flight ones finish
         self._ids = itertools.count()
+        self._batch_left: int | None = None  # flush: microbatches of the current batch not drawn yet
+        self.heldout, self.eval_every = list(heldout), eval_every  # held-out microbatches, samples between evaluations
+        self._next_eval, self._num_evals = 0, 0
+        # replica_sync "gradients": this replica's part of a swarm batch of that many microbatches
+        # (swarm.gradient_sync.GradientSync.share); None: the whole batch
+        self.batch_share = batch_share
+        self.last_val_loss = math.nan
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until ``stop`` is set; then let in-flight microbatches finish."""
         try:
-            async with asyncio.TaskGroup() as group:
-                for lane in range(self.max_in_flight):
-                    group.create_task(self._lane(stop, lane))
+            if self.stage.spec.pipeline_schedule == "flush":
+                await self._run_flushed(stop)
+            else:
+                async with asyncio.TaskGroup() as group:
+                    for lane in range(self.max_in_flight):
+                        group.create_task(self._lane(stop, lane))
         finally:  # drawn, never completed (waiting for a replay, or cut off by a hard stop): reported, so a
             # run's accounting can tell them from lost ones
             pending = self.pool.pending() + list(self.in_flight.values())
             if pending:
                 self.on_event("unfinished", mb_ids=[t.mb_id for t in pending], samples=sum(t.batch_size for t in pending))
+
+    async def _run_flushed(self, stop: asyncio.Event) -> None:
+        """The ``flush`` schedule: one batch at a time. Its microbatches run concurrently (up to
+        ``max_in_flight``, replays included) and the next batch starts only after the stage stepped
+        on this one, so every gradient is computed on the current weights."""
+        stage = self.stage
+        per_batch = -(-stage.spec.target_batch_size // stage.spec.microbatch_size)
+        while not stop.is_set():
+            await self.maybe_evaluate()
+            share = per_batch if self.batch_share is None or not stage.syncs_gradients else self.batch_share(per_batch)
+            self._batch_left = share
+            async with asyncio.TaskGroup() as group:
+                for lane in range(min(self.max_in_flight, share)):
+                    group.create_task(self._lane(stop, lane))
+            if stop.is_set() and self._batch_left:
+                break  # stopped mid-batch: the co-replicas finish this batch without this replica
+            if stage.syncs_gradients and stage.combine is not None:
+                await stage.close_batch()
+            else:
+                await stage.wait_step_done()
 
     async def _lane(self, stop: asyncio.Event, lane: int) -> None:
         await asyncio.sleep(0.05 * lane)  # stagger lanes so they do not hit the pipeline in lockstep
@@ -78,6 +120,8 @@ class Trainer:
             if self.is_paused:
                 await asyncio.sleep(PAUSE_POLL_PERIOD)
                 continue
+            if self._batch_left == 0 and not len(self.pool):
+                return  # flush: this batch is drawn and nothing of it waits for a replay
             task = self.next_task()
             if task is None:  # only replays wait, not ready yet
                 await asyncio.sleep(min(self.pool.next_ready_in(), PAUSE_POLL_PERIOD))
@@ -87,6 +131,42 @@ class Trainer:
             except NoPeerAvailableError as e:
                 self.num_unrouted += 1
                 logger.debug(str(e))
+            if lane == 0 and self._batch_left is None:  # delayed: evaluate between this lane's microbatches
+                await self.maybe_evaluate()
+
+    async def maybe_evaluate(self) -> None:
+        """Evaluate the held-out loss if ``eval_every`` samples passed since the last evaluation."""
+        if not self.eval_every or not self.heldout or self.stage.counters.num_samples < self._next_eval:
+            return
+        samples = self.stage.counters.num_samples
+        try:
+            val_loss = await self.evaluate()
+        except NoPeerAvailableError as e:
+            logger.debug(f"held-out evaluation failed, retried after the next microbatches: {e}")
+            return
+        self._next_eval = samples + self.eval_every
+        self.last_val_loss = val_loss
+        self.on_event("eval", samples=samples, val_loss=val_loss, num_sequences=sum(len(x) for x, _ in self.heldout))
+
+    async def evaluate(self) -> float:
+        """The held-out loss of the pipeline's current weights: the token-weighted mean over
+        ``heldout``, each microbatch sent through every stage as ``"kind": "eval"`` (forward only)."""
+        self._num_evals += 1
+        losses = await asyncio.gather(*(self._evaluate_microbatch(f"{self.peer_id[-8:]}:eval{self._num_evals}.{i}", x, y)
+                                        for i, (x, y) in enumerate(self.heldout)))
+        tokens = [x.numel() for x, _ in self.heldout]
+        return sum(loss * n for loss, n in zip(losses, tokens)) / sum(tokens)
+
+    async def _evaluate_microbatch(self, mb_id: str, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        if self.router is None:
+            return await self.stage.evaluate(inputs, targets)
+        outputs = await self.stage.evaluate(inputs)
+        header = {"mb_id": mb_id, "route": [[self.peer_id, 0, self.stage.version]], "batch_size": len(inputs), "kind": "eval"}
+        reply, _ = await self.router.forward(header, [outputs, targets])
+        loss = reply.get("loss")
+        if not isinstance(loss, float) or not math.isfinite(loss):
+            raise NoPeerAvailableError(f"stage 1 answered the held-out microbatch {mb_id} with no usable loss: {loss!r:.50}")
+        return loss
 
     def next_task(self) -> Task | None:
         """A replay whose backoff passed, else a new microbatch; None while replays wait their backoff
@@ -97,8 +177,10 @@ class Trainer:
             if not self.sticky:
                 task.path = None  # the baseline starts over on a new route
             return task
-        if len(self.pool) >= self.max_in_flight:
+        if len(self.pool) >= self.max_in_flight or self._batch_left == 0:
             return None
+        if self._batch_left is not None:
+            self._batch_left -= 1
         return self.new_task()
 
     def new_task(self) -> Task:
@@ -139,11 +221,11 @@ class Trainer:
         path = task.path or []
         outputs = await stage.forward(task.mb_id, task.inputs)
         route = [[self.peer_id, 0, stage.version]]
-        header = {"mb_id": task.mb_id, "route": route, "batch_size": task.batch_size, **({"path": path} if path else {})}
-        for peer_id in path:
-            router.path_in_flight[peer_id] += 1
+        header = {"mb_id": task.mb_id, "route": route, "batch_size": task.batch_size, "batch": stage.version,
+                  **({"path": path} if path else {})}
         try:
-            reply, grads = await router.forward(header, [outputs, task.targets])
+            with router.reserved_path(path):
+                reply, grads = await router.forward(header, [outputs, task.targets])
             if len(grads) != 1 or grads[0].shape != outputs.shape:
                 raise NoPeerAvailableError(f"stage 1 returned a malformed gradient for {task.mb_id}")
         except NoPeerAvailableError as e:
@@ -153,11 +235,6 @@ class Trainer:
         except BaseException:
             await stage.drop(task.mb_id)
             raise
-        finally:
-            for peer_id in path:
-                router.path_in_flight[peer_id] -= 1
-                if router.path_in_flight[peer_id] <= 0:
-                    del router.path_in_flight[peer_id]
         try:
             await stage.backward(task.mb_id, grads[0])
         except ValueError as e:  # a gradient that would poison the stage: replay the microbatch

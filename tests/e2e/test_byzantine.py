@@ -18,8 +18,13 @@ from peer.local_swarm import LocalSwarm, wait_for
 from peer.faults import ALLOW_ENV, FAULTS_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+# Per-replica steps (--replica-sync periodic): this test is about the averaging rounds, where the
+# Byzantine replica's state is out-voted. Under the default swarm-wide batch its gradients are
+# out-voted only in batches that three or more replicas contribute to, and a batch of two microbatches
+# has two contributors at most (swarm/gradient_sync.py; tests/unit/test_gradient_sync.py).
 BOOTSTRAP = ("--num-stages", "1", "--num-layers", "2", "--d-model", "64", "--num-heads", "2", "--seq-len", "32",
-             "--microbatch-size", "8", "--target-batch-size", "16", "--averaging-period", "4", "--seed", "3")
+             "--microbatch-size", "8", "--target-batch-size", "16", "--averaging-period", "4", "--seed", "3",
+             "--replica-sync", "periodic")
 PEER = ("--stage", "0", "--num-threads", "1", "--rebalance-period", "0", "--backup-period", "0")
 NUM_ROUNDS = 6  # rounds of all three replicas each honest one takes part in before the losses are compared
 WINDOW = 200  # microbatches of each honest replica that make up the compared loss

@@ -21,7 +21,8 @@ def test_paused_server_declines_and_resumed_server_serves(dht_nodes):
             await trainer.run_microbatch()
         assert stage1.counters.num_samples == 0 and server.num_refused == 0  # declined politely, not refused as bad input
         server.is_paused = False
-        router.failed_until.clear()  # the router backs off a replica that declined; do not wait that out
+        for peer_id in list(router.failed_until):  # the router backs off a replica that declined; do not wait that out
+            router.link_up(peer_id)
         loss = await trainer.run_microbatch()
         assert loss > 0 and stage1.counters.num_samples == stage1.spec.microbatch_size
 

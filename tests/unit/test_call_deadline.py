@@ -106,3 +106,23 @@ def test_a_peer_far_slower_than_the_fastest_gets_one_call_at_a_time():
     assert busy[2] > 0, "a peer a few times slower (a busy CPU) is only weighted down"
     alone = hop_weights(candidates[1:2], Counter({"slow": 3}), 1e9, latency)
     assert alone[0] > 0, "the only candidate of a stage takes what comes"
+
+
+def test_a_reserved_path_is_counted_while_out_and_released_even_on_failure():
+    r = router()
+    with r.reserved_path(["b", "c"]):
+        with r.reserved_path(["b", "d"]):
+            assert r.path_in_flight == {"b": 2, "c": 1, "d": 1}
+    assert not r.path_in_flight
+    with pytest.raises(RuntimeError), r.reserved_path(["b"]):
+        raise RuntimeError("the call failed")
+    assert not r.path_in_flight
+
+
+def test_a_link_down_is_avoided_until_it_is_up_again():
+    r = router()
+    r.link_down("b")
+    assert r.failed_until["b"] > 0
+    r.link_up("b")
+    r.link_up("never-seen")  # nothing to forget: no error
+    assert "b" not in r.failed_until

@@ -19,7 +19,9 @@ BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmBoot"
 # fields whose valid values are a closed set, or which must be consistent with others
 SPECIAL = {"role": "unreliable", "device": "cpu", "log_level": "DEBUG", "run_id": "other-run",
            "terminal_view": "on", "status_host": "0.0.0.0", "num_stages": 1, "recovery": "restart",
-           "aggregation": "mean"}
+           "aggregation": "mean", "pipeline_schedule": "delayed", "replica_sync": "periodic"}
+# flags a field's SPECIAL value needs beside it to be valid
+COMPANIONS = {"pipeline_schedule": ["--replica-sync", "periodic"]}
 
 
 def base_of(cls: type) -> dict[str, Any]:
@@ -86,6 +88,7 @@ def test_every_field_is_reachable_from_file_env_and_flag(cls, field, tmp_path):
     base_argv = [] if cls is BootstrapConfig else ["--bootstrap", BOOT]
     if field.name == "bootstrap":
         base_argv = []
+    base_argv = [*base_argv, *COMPANIONS.get(field.name, [])]
     path = tmp_path / "config.toml"
     path.write_text(f"{field.name} = {toml_literal(value)}\n")
     from_file = load(cls, [*base_argv, "--config", str(path)])

@@ -58,10 +58,12 @@ def test_peer_rows_order_and_fields():
 
 
 def test_totals_come_from_the_last_stage():
-    records = [record("a", 0, samples_per_s=100.0, loss=9.0), record("b", 1, loss=2.0), record("c", 1, loss=3.0),
-               record("d", 1, state="syncing", loss=1.0)]
+    records = [record("a", 0, samples_per_s=100.0, loss=9.0, val_loss=2.0), record("e", 0, val_loss=3.0),
+               record("f", 0, state="syncing", val_loss=9.0), record("b", 1, loss=2.0, val_loss=8.0),
+               record("c", 1, loss=3.0), record("d", 1, state="syncing", loss=1.0)]
     totals = swarm_totals(records, num_stages=2, seq_len=2)
-    assert totals == {"tokens_per_s": 40.0, "loss": 2.5, "num_peers": 4, "num_training": 3}
+    # training loss from the last stage; held-out loss from the stage-0 peers that measured it
+    assert totals == {"tokens_per_s": 40.0, "loss": 2.5, "val_loss": 2.5, "num_peers": 6, "num_training": 4}
     assert swarm_totals([record("a", 1)], num_stages=2, seq_len=2)["loss"] is None
 
 
@@ -69,10 +71,10 @@ def test_history_keeps_points_in_time_order_and_bounded():
     history = SwarmHistory(max_points=3)
     stages = [{"tokens_per_s": 1.0}, {"tokens_per_s": 2.0}]
     for t in (1.0, 2.0, 2.0, 3.0, 4.0):
-        history.record(t, {"loss": 5.0 - t, "tokens_per_s": 3.0 * t}, stages)
+        history.record(t, {"loss": 5.0 - t, "val_loss": 6.0 - t, "tokens_per_s": 3.0 * t}, stages)
     points = history.points()
     assert [p["t"] for p in points] == [2.0, 3.0, 4.0]
-    assert points[-1] == {"t": 4.0, "loss": 1.0, "tokens_per_s": 12.0, "stage_tokens_per_s": [1.0, 2.0]}
+    assert points[-1] == {"t": 4.0, "loss": 1.0, "val_loss": 2.0, "tokens_per_s": 12.0, "stage_tokens_per_s": [1.0, 2.0]}
 
 
 def test_status_document_shape_is_strict_json():

@@ -1,0 +1,249 @@
+"""A swarm-wide batch: the replicas of a stage add up their gradients of every batch before they step.
+
+Under the run spec's ``replica_sync = "gradients"`` (the default) one optimizer step is one batch of
+``target_batch_size`` samples *for the whole swarm*, as in one process: the stage-0 replicas split
+each batch's microbatches among themselves (:func:`batch_share`), and when a replica closes batch
+``b`` it sends the sum of its gradients of that batch (and how many microbatches it holds) to each of
+its co-replicas and waits for theirs. Every replica adds the contributions in the same order (sorted
+peer ids), divides by the total number of microbatches and steps; so replicas that held the same
+weights hold the same weights after the step, bit for bit. This is hivemind's collaborative
+optimizer's semantics (a global target batch, gradients averaged every step) on our own RPC: the
+batch numbers come from stage 0 (every microbatch carries its ``batch``), so no matchmaking, no
+clock and no DHT round is involved, and a step costs one message per co-replica.
+
+When a batch closes (see :class:`swarm.stage.Stage`): stage 0 closes its batch when its share came
+back; a later stage closes batch ``b`` when a microbatch of ``b + 1`` arrives, when all of ``b``
+came through it, or when a co-replica's contribution for ``b`` arrives (that replica closed it, so
+stage 0 finished ``b``: no microbatch of ``b`` is still on its way here).
+
+Who is waited for: the stage's members in the view. A member that answers with a newer batch than
+``b`` (it is ahead: this replica joined late or missed batches), that is gone, or whose contribution
+has not come after ``WAIT_FACTOR`` times the smoothed duration of recent whole exchanges (at least
+``MIN_WAIT``, at most ``timeout``) is not waited for: one replica behind a slow link must not set the
+pace of the swarm; it drops out of the sum until it keeps up. Contributions are pushed in the
+background, at most one at a time per co-replica (a co-replica still receiving the last one gets no
+newer one); a replica that hears of a newer batch than its own jumps to it
+(:meth:`swarm.stage.Stage.note_batch`). Replicas that drifted apart that way (a joiner's pulled
+state is a few steps old) are brought back together by the periodic averaging rounds
+(:mod:`swarm.averaging`), which run under both settings.
+
+Robustness: a contribution with NaN/Inf or the wrong shape is refused, and only members of the
+stage in the view may send one. Under a robust ``aggregation`` (``--aggregation``, default
+``centered_clip``; swarm/robust.py), a batch with three or more contributions is combined as the
+robust aggregate of the contributors' per-microbatch mean gradients (times the batch's microbatch
+count), so one replica sending garbage is out-voted, as in the periodic rounds (BTARD applies
+CenteredClip to gradients the same way). Two contributions cannot out-vote each other: they are
+added as they are. The robust aggregate weighs every contributor alike, which differs a little from
+one process's mean when the shares are uneven (e.g. 2, 1, 1 microbatches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P
+
+from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
+from dht.wire import ProtocolError, require_tensor
+from swarm.robust import MIN_ROBUST_ROWS, aggregate
+from swarm.stage import Stage
+from swarm.view import SwarmView
+
+logger = logging.getLogger(__name__)
+WAIT_SLICE = 0.5  # seconds between checks of the view while waiting for contributions
+MIN_WAIT = 2.0  # seconds a replica always waits for its co-replicas' contributions (within ``timeout``)
+WAIT_FACTOR = 4.0  # ...and this many times the smoothed time a whole exchange took lately
+WAIT_SMOOTHING = 0.2  # weight of the newest whole exchange in that average
+KEEP_BATCHES = 4  # contributions of batches this far behind the stage's are dropped
+MAX_BATCHES_AHEAD = 1 << 20  # a contribution further ahead than this is refused (hostile numbering)
+
+
+def gradients_handler(namespace: str, stage: int) -> str:
+    return f"{namespace}.grads{stage}"
+
+
+def batch_share(num_microbatches: int, members: Sequence[str], peer_id: str) -> int:
+    """Microbatches of one batch that ``peer_id`` injects: microbatch ``j`` goes to the member at
+    position ``j mod n`` of the sorted ``members`` (``peer_id`` counts even if the view lacks it)."""
+    ordered = sorted(set(members) | {peer_id})
+    index, count = ordered.index(peer_id), len(ordered)
+    return len(range(index, num_microbatches, count))
+
+
+def wait_limit(typical_wait: float | None, timeout: float) -> float:
+    """Seconds to wait for co-replicas' contributions: ``WAIT_FACTOR`` times the smoothed duration of
+    recent whole exchanges, at least ``MIN_WAIT``, at most ``timeout`` (``timeout`` before any)."""
+    if typical_wait is None:
+        return timeout
+    return min(timeout, max(MIN_WAIT, WAIT_FACTOR * typical_wait))
+
+
+def add_in_order(contributions: dict[str, tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, int]:
+    """The sum of the contributions' gradients and microbatch counts, added in sorted peer-id order:
+    every replica adds the same floats in the same order, so all get the same bits."""
+    names = sorted(contributions)
+    total = contributions[names[0]][0].clone()
+    for name in names[1:]:
+        total.add_(contributions[name][0])
+    return total, sum(count for _, count in contributions.values())
+
+
+def combine_contributions(contributions: dict[str, tuple[torch.Tensor, int]], aggregation: str,
+                          ) -> tuple[torch.Tensor, int, list[str]]:
+    """The batch's gradient sum and microbatch count from every replica's contribution, and the
+    contributors out-voted: the plain sum (:func:`add_in_order`) under ``mean`` or with fewer than
+    three contributors; else the robust aggregate of their per-microbatch means, times the count."""
+    active = sorted(p for p, (_, count) in contributions.items() if count > 0)
+    if aggregation == "mean" or len(active) < MIN_ROBUST_ROWS:
+        return (*add_in_order(contributions), [])
+    rows = torch.stack([contributions[p][0].to(torch.float64) / contributions[p][1] for p in active])
+    result = aggregate(rows, aggregation)
+    total = sum(count for _, count in contributions.values())
+    return (result.value * total).to(torch.float32), total, [active[i] for i in result.outliers]
+
+
+class GradientSync:
+    """Exchanges one stage replica's gradient sums with its co-replicas, batch by batch."""
+
+    def __init__(self, p2p: P2P, view: SwarmView, stage: Stage, *, peer_id: str, timeout: float,
+                 max_payload_bytes: int, aggregation: str = "mean",
+                 on_event: Callable[..., None] = lambda event, **fields: None) -> None:
+        self.p2p, self.view, self.stage, self.peer_id = p2p, view, stage, peer_id
+        self.aggregation = aggregation
+        self.timeout, self.max_payload_bytes, self.on_event = timeout, max_payload_bytes, on_event
+        self.handler = gradients_handler(stage.spec.namespace, stage.index)
+        self.num_params = sum(p.numel() for p in stage.model.parameters())
+        self._received: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
+        self._ahead: dict[int, set[str]] = {}  # per batch: co-replicas that said they are past it
+        self._arrived = asyncio.Event()
+        self._pushes: dict[str, asyncio.Task] = {}  # co-replica -> the push to it in flight
+        self.typical_wait: float | None = None  # smoothed seconds a whole exchange took
+        self.num_exchanges = self.num_partial = self.num_outvoted = 0
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.handler, self.rpc_gradients)
+        self.stage.combine = self.combine
+
+    async def stop(self) -> None:
+        self.stage.combine = None
+        for push in list(self._pushes.values()):
+            push.cancel()
+        self._pushes.clear()
+        try:
+            await self.p2p.remove_binary_stream_handler(self.handler)
+        except Exception as e:  # the daemon may already be gone
+            logger.debug(f"could not remove the gradients handler: {e!r}")
+
+    def co_replicas(self) -> list[str]:
+        return sorted(r.peer_id for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id)
+
+    def share(self, num_microbatches: int) -> int:
+        """This replica's part of a stage-0 batch (see :func:`batch_share`)."""
+        return batch_share(num_microbatches, self.co_replicas(), self.peer_id)
+
+    async def combine(self, batch: int, gradients: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+        """Send this replica's contribution to batch ``batch`` to every co-replica, wait for theirs
+        (or until each is past the batch, gone, or silent for ``timeout``), and return the sum."""
+        members = self.co_replicas()
+        contributions = {self.peer_id: (gradients, count)}
+        if members:
+            for peer_id in members:
+                if peer_id not in self._pushes:  # theirs may come first: they still need this one
+                    self._start_push(peer_id, batch, gradients, count)
+            await self._wait_contributions(batch, members)
+            contributions.update({p: c for p, c in self._received.get(batch, {}).items() if p in members})
+        missing = [p[-6:] for p in members if p not in contributions]
+        self.num_exchanges += 1
+        if missing:
+            self.num_partial += 1
+            logger.info(f"batch {batch} of stage {self.stage.index}: stepped without {', '.join(missing)}")
+        self._forget_before(batch)
+        total, count, outvoted = combine_contributions(contributions, self.aggregation)
+        if outvoted:
+            self.num_outvoted += len(outvoted)
+            logger.warning(f"batch {batch} of stage {self.stage.index}: out-voted the gradients of "
+                           f"{', '.join(p[-6:] for p in outvoted)} ({self.aggregation})")
+            self.on_event("gradients_outvoted", batch=batch, peers=outvoted)
+        return total, count
+
+    def _start_push(self, peer_id: str, batch: int, gradients: torch.Tensor, count: int) -> None:
+        push = asyncio.create_task(self._push(peer_id, batch, gradients, count), name=f"push-gradients-{batch}")
+        self._pushes[peer_id] = push
+        push.add_done_callback(lambda done: self._pushes.pop(peer_id, None) if self._pushes.get(peer_id) is done else None)
+
+    async def _push(self, peer_id: str, batch: int, gradients: torch.Tensor, count: int) -> None:
+        try:
+            reply, _ = await call_peer(self.p2p, peer_id, self.handler, {"batch": batch, "count": count}, [gradients],
+                                       timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
+        except (PeerUnavailableError, RemoteError) as e:
+            logger.debug(f"gradients of batch {batch} not delivered to {peer_id[-6:]}: {e}")
+            self._ahead.setdefault(batch, set()).add(peer_id)  # do not wait for it
+            self._arrived.set()
+            return
+        version = reply.get("version")
+        if isinstance(version, int) and version > batch:  # it already stepped past this batch
+            self._ahead.setdefault(batch, set()).add(peer_id)
+            self.stage.note_batch(version, from_replica=False)
+            self._arrived.set()
+
+    def wait_limit(self) -> float:
+        return wait_limit(self.typical_wait, self.timeout)
+
+    async def _wait_contributions(self, batch: int, members: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.wait_limit()
+        while True:
+            received, ahead = self._received.get(batch, {}), self._ahead.get(batch, set())
+            waiting = [p for p in members if p not in received and p not in ahead and not self.view.is_gone(p)]
+            remaining = deadline - loop.time()
+            if not waiting:
+                took = loop.time() - started
+                self.typical_wait = took if self.typical_wait is None else (
+                    (1 - WAIT_SMOOTHING) * self.typical_wait + WAIT_SMOOTHING * took)
+                return
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=min(WAIT_SLICE, remaining))
+            except asyncio.TimeoutError:
+                pass
+
+    async def rpc_gradients(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = info.peer_id.to_base58()
+
+        async def process(header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list]:
+            return self._receive(sender, header, tensors), []
+
+        await serve_request(reader, writer, process, max_payload_bytes=self.max_payload_bytes, timeout=self.timeout,
+                            what="gradients")
+
+    def _receive(self, sender: str, header: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
+        batch, count = header.get("batch"), header.get("count")
+        if type(batch) is not int or type(count) is not int or not 0 <= count <= 1 << 20 or batch < 0:
+            raise ProtocolError("batch and count must be non-negative integers")
+        if sender not in {r.peer_id for r in self.view.members(self.stage.index)}:
+            raise Declined(f"{sender[-6:]} is not a replica of stage {self.stage.index} here")
+        version = self.stage.version
+        if batch > version + MAX_BATCHES_AHEAD:
+            raise ProtocolError(f"batch {batch} is implausibly far ahead of this replica's {version}")
+        gradients = require_tensor(tensors, 0, dtype=torch.float32, shape=(self.num_params,), name="gradients")
+        if not torch.isfinite(gradients).all():
+            raise ProtocolError("gradients hold NaN or Inf")
+        if batch < version and not self.stage.is_closing(batch):
+            return {"ok": True, "version": version}  # this replica is past it: the sender must not wait
+        self._received.setdefault(batch, {})[sender] = (gradients, count)
+        self._arrived.set()
+        self.stage.note_batch(batch, from_replica=True)
+        return {"ok": True, "version": self.stage.version}
+
+    def _forget_before(self, batch: int) -> None:
+        for old in [b for b in self._received if b < batch - KEEP_BATCHES]:
+            del self._received[old]
+        for old in [b for b in self._ahead if b < batch - KEEP_BATCHES]:
+            del self._ahead[old]

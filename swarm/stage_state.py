@@ -1,0 +1,115 @@
+"""A stage replica's whole training state as named tensors: what checkpoints, state transfers and
+backups carry (:meth:`swarm.stage.Stage.state_tensors` and :meth:`~swarm.stage.Stage.load_state_tensors`).
+
+Keys: ``model.<name>`` (parameters and buffers), ``optim.<parameter>.<entry>`` (AdamW's ``exp_avg``,
+``exp_avg_sq``, ``step``), ``counters.num_steps`` (the replica's step count or batch number) and
+``stage.layers`` (``[stage, first block, end block]``: the identity a loaded state must match).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StageCounters:
+    """What the stage has done since the peer started (read by heartbeats and the dashboard)."""
+
+    num_samples: int = 0
+    num_microbatches: int = 0
+    num_steps: int = 0
+    last_loss: float = math.nan
+    samples_per_s: float = 0.0
+    _window_start: float = 0.0
+    _window_samples: int = 0
+
+    def add_samples(self, count: int, now: float) -> None:
+        self.num_samples += count
+        self.num_microbatches += 1
+        if self._window_start == 0.0:
+            self._window_start = now
+        self._window_samples += count
+        elapsed = now - self._window_start
+        if elapsed >= 5.0:  # refresh the rate every 5 s of wall time
+            self.samples_per_s = self._window_samples / elapsed
+            self._window_start, self._window_samples = now, 0
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, num_steps: int,
+                  identity: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Parameters, optimizer state, step count and identity as named CPU tensors (copies)."""
+    state = {f"model.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                state[f"optim.{names[id(param)]}.{key}"] = torch.as_tensor(value).detach().cpu().clone()
+    state["counters.num_steps"] = torch.tensor(num_steps, dtype=torch.int64)
+    state["stage.layers"] = identity
+    return state
+
+
+def load_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor], *,
+                       identity: torch.Tensor, device: torch.device) -> int:
+    """Inverse of :func:`state_tensors`; returns the step count. Checks everything first, then loads:
+    on ``ValueError`` the model and optimizer are unchanged."""
+    if "stage.layers" not in state or not torch.equal(state["stage.layers"], identity):
+        raise ValueError(f"the state is not of stage {int(identity[0])} (layers {identity[1:].tolist()})")
+    model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    expected = model.state_dict()
+    if set(model_state) != set(expected):
+        raise ValueError("downloaded state does not have this stage's parameters")
+    for name, value in model_state.items():
+        if value.shape != expected[name].shape or value.dtype != expected[name].dtype:
+            raise ValueError(f"downloaded {name} is {value.dtype}{list(value.shape)}, expected {list(expected[name].shape)}")
+    optim_state = _parse_optimizer_state(model, state)
+    steps = state.get("counters.num_steps", torch.tensor(0))
+    if steps.dim() != 0 or steps.dtype != torch.int64 or int(steps) < 0:
+        raise ValueError("downloaded step counter is not a non-negative integer")
+    model.load_state_dict(model_state)
+    params = dict(model.named_parameters())
+    for name, entries in optim_state.items():
+        optimizer.state[params[name]] = {k: v.clone() if k == "step" else v.to(device) for k, v in entries.items()}
+    return int(steps)
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """A short hash of the parameters' bytes."""
+    digest = hashlib.blake2b(digest_size=12)
+    for name, value in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _parse_optimizer_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    params = dict(model.named_parameters())
+    optim_state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        if key.startswith("optim."):
+            param_name, entry = key[len("optim."):].rsplit(".", 1)
+            if param_name not in params:
+                raise ValueError(f"downloaded optimizer state names an unknown parameter {param_name!r}")
+            if entry != "step" and value.shape != params[param_name].shape:
+                raise ValueError(f"downloaded optimizer state {key} has shape {list(value.shape)}")
+            optim_state.setdefault(param_name, {})[entry] = value
+    return optim_state
+
+
+def flat_gradients(model: torch.nn.Module, gradients: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``gradients`` (by parameter name) as one flat float32 CPU vector in parameter order; zeros for a
+    parameter without one (the wire form of swarm/gradient_sync.py)."""
+    return torch.cat([gradients[n].reshape(-1).cpu() if n in gradients else torch.zeros(p.numel())
+                      for n, p in model.named_parameters()])
+
+
+def set_gradients(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Inverse of :func:`flat_gradients`: each parameter's ``.grad`` from its slice of ``flat``."""
+    offset = 0
+    for param in model.parameters():
+        param.grad = flat[offset:offset + param.numel()].view_as(param).to(param.device)
+        offset += param.numel()

@@ -1,0 +1,143 @@
+"""The swarm-wide batch's pure parts: who injects what, the order contributions are added in, and
+when a stage replica closes a batch or jumps to a later one (swarm/gradient_sync.py, swarm/stage.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from dht.records import ModelSpec, RunSpec
+from swarm.gradient_sync import add_in_order, batch_share
+from swarm.stage import Stage
+
+SPEC = RunSpec(run_id="g", model=ModelSpec(d_model=16, num_layers=2, num_heads=2, seq_len=8),
+               stage_layers=((0, 1), (1, 2)), microbatch_size=2, target_batch_size=4)
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("members, shares", [(1, [4]), (2, [2, 2]), (3, [2, 1, 1]), (5, [1, 1, 1, 1, 0])])
+def test_shares_cover_the_batch_once(members, shares):
+    ids = [f"peer{i}" for i in range(members)]
+    assert [batch_share(4, ids, p) for p in ids] == shares
+
+
+def test_a_replica_missing_from_its_own_view_still_takes_a_share():
+    assert batch_share(4, ["b"], "a") == 2 and batch_share(4, ["a"], "b") == 2
+
+
+def test_contributions_add_up_to_the_same_bits_in_any_arrival_order():
+    values = [torch.randn(1000, dtype=torch.float32) * 10 ** k for k in range(-3, 4)]
+    parts = {f"p{i}": (v, i) for i, v in enumerate(values)}
+    results = []
+    for order in itertools.islice(itertools.permutations(parts), 20):
+        total, count = add_in_order({name: parts[name] for name in order})
+        results.append(total)
+        assert count == sum(range(len(values)))
+    assert all(torch.equal(results[0], r) for r in results)
+    assert all(torch.equal(parts[f"p{i}"][0], v) for i, v in enumerate(values))  # inputs untouched
+
+
+def run_on_stage(index: int, coro_fn):
+    async def main():
+        stage = Stage(SPEC, index, device=CPU)
+        try:
+            return await asyncio.wait_for(coro_fn(stage), 20)
+        finally:
+            stage.shutdown()
+    return asyncio.run(main())
+
+
+def test_a_later_stage_closes_a_batch_a_co_replica_closed_and_steps_on_the_sum():
+    seen = []
+
+    async def body(stage: Stage):
+        async def combine(batch, gradients, count):
+            seen.append((batch, count))
+            return gradients + 1.0, count + 2  # a co-replica's contribution: two microbatches of ones
+        stage.combine = combine
+        before = [p.detach().clone() for p in stage.model.parameters()]
+        stage.note_batch(0, from_replica=True)
+        await stage.wait_step_done()
+        after = [p.detach().clone() for p in stage.model.parameters()]
+        return before, after, stage.version
+
+    before, after, version = run_on_stage(1, body)
+    assert seen == [(0, 0)] and version == 1
+    assert all(not torch.equal(a, b) for a, b in zip(after, before))  # every parameter got the co-replica's gradient
+
+
+def test_stage_zero_waits_for_its_trainer_to_close_and_jumps_to_newer_batches():
+    async def body(stage: Stage):
+        stage.combine = lambda batch, gradients, count: asyncio.sleep(0, (gradients, count))
+        stage.note_batch(0, from_replica=True)
+        assert stage._step_task is None and stage.version == 0  # stage 0 closes when its share is back
+        stage.note_batch(5, from_replica=True)
+        assert stage.version == 5  # a joiner behind its co-replicas jumps to their batch
+        stage.note_batch(3, from_replica=True)
+        assert stage.version == 5  # never back
+        await stage.close_batch()
+        return stage.version
+
+    assert run_on_stage(0, body) == 6
+
+
+def test_a_microbatch_of_a_later_batch_closes_the_current_one_first():
+    closed = []
+
+    async def body(stage: Stage):
+        async def combine(batch, gradients, count):
+            closed.append(batch)
+            return gradients, count
+        stage.combine = combine
+        await stage.wait_current_weights(1)
+        assert closed == [0] and stage.version == 1
+        await stage.wait_current_weights(9)  # far behind: jump to batch 8, close it, compute on 9
+        return stage.version
+
+    assert run_on_stage(1, body) == 9
+    assert closed == [0, 8]
+
+
+def test_periodic_replicas_ignore_batch_numbers():
+    import dataclasses
+
+    spec = dataclasses.replace(SPEC, replica_sync="periodic")
+
+    async def main():
+        stage = Stage(spec, 1, device=CPU)
+        try:
+            stage.note_batch(4, from_replica=True)
+            await stage.wait_current_weights(7)
+            return stage.version, stage._step_task
+        finally:
+            stage.shutdown()
+
+    assert asyncio.run(main()) == (0, None)
+
+
+def test_three_contributions_out_vote_a_garbage_one_and_two_are_added_as_they_are():
+    from swarm.gradient_sync import combine_contributions
+
+    g = torch.Generator().manual_seed(0)
+    honest = [torch.randn(500, generator=g) * 0.1 + 1.0 for _ in range(2)]
+    garbage = torch.randn(500, generator=g) * 100.0
+    parts = {"a": (honest[0] * 2, 2), "b": (honest[1] * 2, 2), "z": (garbage * 2, 2)}
+    total, count, outvoted = combine_contributions(parts, "centered_clip")
+    assert count == 6 and outvoted == ["z"]
+    torch.testing.assert_close(total / count, (honest[0] + honest[1]) / 2, rtol=1e-4, atol=1e-4)
+    plain, _, none = combine_contributions(parts, "mean")
+    assert none == [] and not torch.allclose(plain / 6, (honest[0] + honest[1]) / 2, atol=1.0)
+    pair = {"a": parts["a"], "z": parts["z"]}
+    assert torch.equal(combine_contributions(pair, "centered_clip")[0], add_in_order(pair)[0])
+
+
+def test_the_wait_for_co_replicas_follows_recent_exchanges_within_bounds():
+    from swarm.gradient_sync import MIN_WAIT, WAIT_FACTOR, wait_limit
+
+    assert wait_limit(None, 10.0) == 10.0  # nothing measured yet: the whole timeout
+    assert wait_limit(0.01, 10.0) == MIN_WAIT  # a fast swarm still forgives a hiccup
+    assert wait_limit(1.0, 10.0) == WAIT_FACTOR * 1.0
+    assert wait_limit(5.0, 10.0) == 10.0  # never beyond the timeout
