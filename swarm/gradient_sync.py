@@ -20,7 +20,12 @@ Who is waited for: the stage's members in the view. A member that answers with a
 ``b`` (it is ahead: this replica joined late or missed batches), that is gone, or whose contribution
 has not come after ``WAIT_FACTOR`` times the smoothed duration of recent whole exchanges (at least
 ``MIN_WAIT``, at most ``timeout``) is not waited for: one replica behind a slow link must not set the
-pace of the swarm; it drops out of the sum until it keeps up. Contributions are pushed in the
+pace of the swarm. One that missed a deadline is *late*: it is waited for only a short while
+(``LATE_FACTOR`` times the smoothed exchange time) until a contribution of it comes in time again. A
+co-replica behind a slow link then costs each batch that short while, and one that only hiccuped is
+back in the sum at its next punctual contribution. While one replica steps without the other's
+contribution and the other with it, their weights differ; the next averaging round brings them
+together again. Contributions are pushed in the
 background, at most one at a time per co-replica (a co-replica still receiving the last one gets no
 newer one); a replica that hears of a newer batch than its own jumps to it
 (:meth:`swarm.stage.Stage.note_batch`). Replicas that drifted apart that way (a joiner's pulled
@@ -55,7 +60,9 @@ from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 WAIT_SLICE = 0.5  # seconds between checks of the view while waiting for contributions
-MIN_WAIT = 2.0  # seconds a replica always waits for its co-replicas' contributions (within ``timeout``)
+LATE_FACTOR = 2.0  # a late co-replica is waited for this many times the smoothed exchange time...
+MIN_LATE_WAIT = 0.2  # ...but at least this many seconds
+MIN_WAIT = 5.0  # seconds a replica always waits for its co-replicas' contributions (within ``timeout``)
 WAIT_FACTOR = 4.0  # ...and this many times the smoothed time a whole exchange took lately
 WAIT_SMOOTHING = 0.2  # weight of the newest whole exchange in that average
 KEEP_BATCHES = 4  # contributions of batches this far behind the stage's are dropped
@@ -121,6 +128,7 @@ class GradientSync:
         self._ahead: dict[int, set[str]] = {}  # per batch: co-replicas that said they are past it
         self._arrived = asyncio.Event()
         self._pushes: dict[str, asyncio.Task] = {}  # co-replica -> the push to it in flight
+        self._late: set[str] = set()  # co-replicas that missed their last deadline: waited for briefly
         self.typical_wait: float | None = None  # smoothed seconds a whole exchange took
         self.num_exchanges = self.num_partial = self.num_outvoted = 0
 
@@ -156,6 +164,8 @@ class GradientSync:
                     self._start_push(peer_id, batch, gradients, count)
             await self._wait_contributions(batch, members)
             contributions.update({p: c for p, c in self._received.get(batch, {}).items() if p in members})
+            ahead = self._ahead.get(batch, set())
+            self._late = {p for p in members if p not in contributions and p not in ahead and not self.view.is_gone(p)}
         missing = [p[-6:] for p in members if p not in contributions]
         self.num_exchanges += 1
         if missing:
@@ -193,20 +203,25 @@ class GradientSync:
     def wait_limit(self) -> float:
         return wait_limit(self.typical_wait, self.timeout)
 
+    def late_wait_limit(self) -> float:
+        """How long a late co-replica is waited for (see the module docstring)."""
+        return min(self.wait_limit(), max(MIN_LATE_WAIT, LATE_FACTOR * (self.typical_wait or 0.0)))
+
     async def _wait_contributions(self, batch: int, members: list[str]) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        deadline = started + self.wait_limit()
+        deadline, late_deadline = started + self.wait_limit(), started + self.late_wait_limit()
         while True:
-            received, ahead = self._received.get(batch, {}), self._ahead.get(batch, set())
-            waiting = [p for p in members if p not in received and p not in ahead and not self.view.is_gone(p)]
-            remaining = deadline - loop.time()
-            if not waiting:
+            received, ahead, now = self._received.get(batch, {}), self._ahead.get(batch, set()), loop.time()
+            waiting = [p for p in members if p not in received and p not in ahead and not self.view.is_gone(p)
+                       and (p not in self._late or now < late_deadline)]
+            remaining = (deadline if any(p not in self._late for p in waiting) else late_deadline) - now
+            if not waiting and all(p in received or p in ahead for p in members if p not in self._late):
                 took = loop.time() - started
                 self.typical_wait = took if self.typical_wait is None else (
                     (1 - WAIT_SMOOTHING) * self.typical_wait + WAIT_SMOOTHING * took)
                 return
-            if remaining <= 0:
+            if not waiting or remaining <= 0:
                 return
             self._arrived.clear()
             try:

@@ -139,5 +139,6 @@ def test_the_wait_for_co_replicas_follows_recent_exchanges_within_bounds():
 
     assert wait_limit(None, 10.0) == 10.0  # nothing measured yet: the whole timeout
     assert wait_limit(0.01, 10.0) == MIN_WAIT  # a fast swarm still forgives a hiccup
-    assert wait_limit(1.0, 10.0) == WAIT_FACTOR * 1.0
+    assert wait_limit(2.0, 10.0) == WAIT_FACTOR * 2.0
     assert wait_limit(5.0, 10.0) == 10.0  # never beyond the timeout
+    assert MIN_WAIT < WAIT_FACTOR * 2.0 < 10.0
