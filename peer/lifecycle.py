@@ -770,8 +770,12 @@ class Peer:
             per_stage = [len(self.view.members(k)) for k in range(self.spec.num_stages)]
             logger.info(f"loss {counters.last_loss:.3f} | {tokens_per_s:,.0f} tok/s | {counters.num_samples} samples "
                         f"| peers per stage {per_stage}")
+            sync = self.gradient_sync
+            exchanges = {} if sync is None else {"exchanges": sync.num_exchanges, "exchanges_partial": sync.num_partial,
+                                                 "exchanges_alone": sync.num_alone}
             self.metrics.write("status", stage=self.stage.index, step=self.stage.version, loss=counters.last_loss,
-                               tokens_per_s=tokens_per_s, samples=counters.num_samples, peers_per_stage=per_stage)
+                               tokens_per_s=tokens_per_s, samples=counters.num_samples, peers_per_stage=per_stage,
+                               **exchanges)
 
     async def _history_loop(self, stop: asyncio.Event) -> None:
         """Sample the counters once a second: the recent rates and plots of peer.status read them."""

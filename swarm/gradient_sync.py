@@ -128,9 +128,11 @@ class GradientSync:
         self._ahead: dict[int, set[str]] = {}  # per batch: co-replicas that said they are past it
         self._arrived = asyncio.Event()
         self._pushes: dict[str, asyncio.Task] = {}  # co-replica -> the push to it in flight
+        self._queued: dict[str, tuple[int, torch.Tensor, int]] = {}  # co-replica -> the newest push waiting for it
         self._late: set[str] = set()  # co-replicas that missed their last deadline: waited for briefly
         self.typical_wait: float | None = None  # smoothed seconds a whole exchange took
-        self.num_exchanges = self.num_partial = self.num_outvoted = 0
+        # batches closed; of them, closed without some co-replica's contribution; with no co-replica known
+        self.num_exchanges = self.num_partial = self.num_alone = self.num_outvoted = 0
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler, self.rpc_gradients)
@@ -138,6 +140,7 @@ class GradientSync:
 
     async def stop(self) -> None:
         self.stage.combine = None
+        self._queued.clear()
         for push in list(self._pushes.values()):
             push.cancel()
         self._pushes.clear()
@@ -159,15 +162,15 @@ class GradientSync:
         members = self.co_replicas()
         contributions = {self.peer_id: (gradients, count)}
         if members:
-            for peer_id in members:
-                if peer_id not in self._pushes:  # theirs may come first: they still need this one
-                    self._start_push(peer_id, batch, gradients, count)
+            for peer_id in members:  # theirs may come first: they still need this one
+                self._push_soon(peer_id, batch, gradients, count)
             await self._wait_contributions(batch, members)
             contributions.update({p: c for p, c in self._received.get(batch, {}).items() if p in members})
             ahead = self._ahead.get(batch, set())
             self._late = {p for p in members if p not in contributions and p not in ahead and not self.view.is_gone(p)}
         missing = [p[-6:] for p in members if p not in contributions]
         self.num_exchanges += 1
+        self.num_alone += not members
         if missing:
             self.num_partial += 1
             logger.info(f"batch {batch} of stage {self.stage.index}: stepped without {', '.join(missing)}")
@@ -180,10 +183,22 @@ class GradientSync:
             self.on_event("gradients_outvoted", batch=batch, peers=outvoted)
         return total, count
 
-    def _start_push(self, peer_id: str, batch: int, gradients: torch.Tensor, count: int) -> None:
+    def _push_soon(self, peer_id: str, batch: int, gradients: torch.Tensor, count: int) -> None:
+        """Push now, or, while the last push to ``peer_id`` is still under way (a slow link), right after
+        it; only the newest waits (an older batch than that is of no use to the co-replica any more)."""
+        if peer_id in self._pushes:
+            self._queued[peer_id] = (batch, gradients, count)
+            return
         push = asyncio.create_task(self._push(peer_id, batch, gradients, count), name=f"push-gradients-{batch}")
         self._pushes[peer_id] = push
-        push.add_done_callback(lambda done: self._pushes.pop(peer_id, None) if self._pushes.get(peer_id) is done else None)
+
+        def pushed(done: asyncio.Task) -> None:
+            if self._pushes.get(peer_id) is done:
+                del self._pushes[peer_id]
+                if peer_id in self._queued:
+                    self._push_soon(peer_id, *self._queued.pop(peer_id))
+
+        push.add_done_callback(pushed)
 
     async def _push(self, peer_id: str, batch: int, gradients: torch.Tensor, count: int) -> None:
         try:
