@@ -77,6 +77,18 @@ PIPELINE_SCHEDULES = ("flush", "delayed")
 REPLICA_SYNCS = ("gradients", "periodic")
 
 
+def check_step_semantics(pipeline_schedule: str, replica_sync: str, *, flags: bool = False) -> None:
+    """``ValueError`` unless both are known and compatible (``flags``: name them as command-line flags)."""
+    schedule, sync = ("--pipeline-schedule", "--replica-sync") if flags else ("pipeline_schedule", "replica_sync")
+    if pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"{schedule} must be one of {', '.join(PIPELINE_SCHEDULES)}, got {pipeline_schedule!r}")
+    if replica_sync not in REPLICA_SYNCS:
+        raise ValueError(f"{sync} must be one of {', '.join(REPLICA_SYNCS)}, got {replica_sync!r}")
+    if replica_sync == "gradients" and pipeline_schedule != "flush":
+        raise ValueError(f"{sync} gradients needs {schedule} flush (a batch must end before the next starts); "
+                         f"give {sync} periodic with delayed")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """Everything peers must agree on to train one model together.
@@ -140,12 +152,7 @@ class RunSpec:
         _check_float("lr", self.lr, 0.0, 10.0, open_low=True)
         _check_float("weight_decay", self.weight_decay, 0.0, 10.0)
         _check_float("averaging_period", self.averaging_period, 1.0, 86400.0)
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
-        if self.replica_sync not in REPLICA_SYNCS:
-            raise ValueError(f"replica_sync must be one of {', '.join(REPLICA_SYNCS)}, got {self.replica_sync!r}")
-        if self.replica_sync == "gradients" and self.pipeline_schedule != "flush":
-            raise ValueError("replica_sync 'gradients' needs pipeline_schedule 'flush' (a batch must end before the next starts)")
+        check_step_semantics(self.pipeline_schedule, self.replica_sync)
         for name in ("microbatch_size", "target_batch_size", "seed", "protocol_version", "layout_version"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 31:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dht.records import PIPELINE_SCHEDULES, REPLICA_SYNCS, check_run_id
+from dht.records import check_run_id, check_step_semantics
 
 RECOVERY_MODES = ("replay", "restart")  # see swarm/task_pool.py
 AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")  # swarm/robust.py's (not imported: it loads torch)
@@ -168,9 +168,4 @@ class BootstrapConfig:
             raise ValueError("--log-level must be DEBUG, INFO, WARNING or ERROR")
         if not 1 <= self.num_stages <= self.num_layers:
             raise ValueError(f"--num-stages must be between 1 and --num-layers ({self.num_layers})")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
-        if self.replica_sync not in REPLICA_SYNCS:
-            raise ValueError(f"--replica-sync must be one of {', '.join(REPLICA_SYNCS)}, got {self.replica_sync!r}")
-        if self.replica_sync == "gradients" and self.pipeline_schedule != "flush":
-            raise ValueError("--replica-sync gradients needs --pipeline-schedule flush; give --replica-sync periodic with delayed")
+        check_step_semantics(self.pipeline_schedule, self.replica_sync, flags=True)

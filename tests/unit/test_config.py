@@ -163,3 +163,13 @@ BAD_BOOTSTRAP = {
 def test_invalid_bootstrap_config_raises_value_error(overrides):
     with pytest.raises(ValueError):
         BootstrapConfig(**overrides)
+
+
+def test_a_delayed_schedule_with_a_swarm_wide_batch_is_refused_in_one_sentence():
+    from peer.config import BootstrapConfig
+
+    with pytest.raises(ValueError, match="--replica-sync gradients needs --pipeline-schedule flush"):
+        BootstrapConfig(pipeline_schedule="delayed")
+    with pytest.raises(ValueError, match="--pipeline-schedule must be one of flush, delayed"):
+        BootstrapConfig(pipeline_schedule="sometimes")
+    assert BootstrapConfig(pipeline_schedule="delayed", replica_sync="periodic").replica_sync == "periodic"
