@@ -127,6 +127,11 @@ class Stage:
     def syncs_gradients(self) -> bool:
         return self.spec.replica_sync == "gradients"
 
+    @property
+    def exchanges_gradients(self) -> bool:
+        """Under ``gradients`` with an exchange wired (``combine``): batches end when closed, not on a count."""
+        return self.syncs_gradients and self.combine is not None
+
     async def wait_current_weights(self, batch: int | None = None) -> None:
         """Under the ``flush`` schedule, wait for a step that is due or running: a microbatch that
         arrives after a batch completed belongs to the next batch and must see the stepped weights
@@ -249,7 +254,7 @@ class Stage:
             self.counters.last_loss = loss
         if self._accumulated_samples < self.spec.target_batch_size or self._step_task is not None:
             return
-        if not self.syncs_gradients or self.combine is None or not self.is_first:
+        if not self.exchanges_gradients or not self.is_first:
             # per-replica batches; or alone (no gradient exchange wired: the local sum is the batch); or
             # a later stage the whole swarm batch came through: nobody else has any of it
             self.request_close()  # (a wired stage 0's trainer closes its batches itself)
@@ -329,7 +334,7 @@ class Stage:
 
     async def _step(self) -> None:
         try:
-            if self.syncs_gradients and self.combine is not None:
+            if self.exchanges_gradients:
                 await self._step_with_replicas()
                 return
             async with self._step_lock:
@@ -363,19 +368,27 @@ class Stage:
         return flat, count
 
     def _apply_gradients_sync(self, gradients: torch.Tensor, count: int) -> None:
-        """Step on the swarm's gradient sum of the batch, divided by its number of microbatches."""
+        """Step on the swarm's gradient sum of the batch, divided by its number of microbatches; the
+        batch number passes even if nobody computed anything of it (the weights then stay)."""
         self.counters.num_steps += 1
-        if count == 0:
-            return  # nobody computed anything of this batch: its number passes, the weights stay
-        stage_state.set_gradients(self.model, gradients / count)
+        if count:
+            stage_state.set_gradients(self.model, gradients / count)
+            self._clip_and_step()
+
+    def _clip_and_step(self) -> bool:
+        """Clip the master's ``.grad`` and step (never on a non-finite norm: a last line of defence);
+        forwards move to the new weights. Returns whether it stepped."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
-        if torch.isfinite(norm):
+        stepped = bool(torch.isfinite(norm))
+        if stepped:
             self.optimizer.step()
         else:
             logger.warning(f"stage {self.index}: skipped a step with a non-finite gradient norm")
         self.optimizer.zero_grad(set_to_none=True)
-        self._publish_weights()
-        self.weights_tag = ""
+        if stepped:
+            self._publish_weights()
+            self.weights_tag = ""  # a local step: weights of this replica's own until the next averaging round
+        return stepped
 
     def _publish_weights(self) -> None:
         """A new weight version: detached copies of the master that forwards from now on use."""
@@ -472,20 +485,10 @@ class Stage:
         for name, param in self.model.named_parameters():
             grad = self._grad_buffer.get(name)
             param.grad = grad.div_(self._accumulated_microbatches) if grad is not None else None
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
-        if not torch.isfinite(norm):  # never step on a non-finite gradient (a last line of defence)
-            logger.warning(f"stage {self.index}: skipped a step with a non-finite gradient norm")
-            self.optimizer.zero_grad(set_to_none=True)
-            self._grad_buffer = {}
-            self._accumulated_microbatches = self._accumulated_samples = 0
-            return
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self._grad_buffer = {}
         self._accumulated_microbatches = self._accumulated_samples = 0
-        self.counters.num_steps += 1
-        self._publish_weights()
-        self.weights_tag = ""  # a local step: weights of this replica's own until the next averaging round
+        if self._clip_and_step():
+            self.counters.num_steps += 1
 
 
 def _input_gradient(outputs: torch.Tensor, grad_outputs: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:

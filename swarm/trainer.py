@@ -102,14 +102,14 @@ class Trainer:
         per_batch = -(-stage.spec.target_batch_size // stage.spec.microbatch_size)
         while not stop.is_set():
             await self.maybe_evaluate()
-            share = per_batch if self.batch_share is None or not stage.syncs_gradients else self.batch_share(per_batch)
+            share = self.batch_share(per_batch) if stage.exchanges_gradients and self.batch_share else per_batch
             self._batch_left = share
             async with asyncio.TaskGroup() as group:
                 for lane in range(min(self.max_in_flight, share)):
                     group.create_task(self._lane(stop, lane))
             if stop.is_set() and self._batch_left:
                 break  # stopped mid-batch: the co-replicas finish this batch without this replica
-            if stage.syncs_gradients and stage.combine is not None:
+            if stage.exchanges_gradients:
                 await stage.close_batch()
             else:
                 await stage.wait_step_done()
