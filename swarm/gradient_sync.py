@@ -23,14 +23,19 @@ has not come after ``WAIT_FACTOR`` times the smoothed duration of recent whole e
 pace of the swarm. One that missed a deadline is *late*: it is waited for only a short while
 (``LATE_FACTOR`` times the smoothed exchange time) until a contribution of it comes in time again. A
 co-replica behind a slow link then costs each batch that short while, and one that only hiccuped is
-back in the sum at its next punctual contribution. While one replica steps without the other's
-contribution and the other with it, their weights differ; the next averaging round brings them
-together again. Contributions are pushed in the
-background, at most one at a time per co-replica (a co-replica still receiving the last one gets no
-newer one); a replica that hears of a newer batch than its own jumps to it
-(:meth:`swarm.stage.Stage.note_batch`). Replicas that drifted apart that way (a joiner's pulled
-state is a few steps old) are brought back together by the periodic averaging rounds
-(:mod:`swarm.averaging`), which run under both settings.
+back in the sum at its next punctual contribution. Contributions are pushed in the background, at
+most one at a time per co-replica (a co-replica still receiving the last one gets no newer one); a
+replica that hears of a newer batch than its own jumps to it (:meth:`swarm.stage.Stage.note_batch`).
+
+Replicas that hold different weights (a joiner's pulled state is a few steps old; one stepped
+without the other's contribution; an averaging round fell between their steps of one batch) would
+stay apart: the same summed gradient applied to different weights keeps them different, and each
+replica's microbatches then run on its own weights. So every contribution carries the digest of the
+weights it was computed on and the replica's optimizer step count, and when the contributors to a
+batch differ, after the step they all take one replica's whole state (parameters, AdamW moments and
+step counts): the weights most contributors hold, else the replica with the most steps
+(:func:`choose_source`, :meth:`GradientSync.reconcile`). The others wait for it as for a
+contribution; one that does not come in time is tried again at the next batch.
 
 Robustness: a contribution with NaN/Inf or the wrong shape is refused, and only members of the
 stage in the view may send one. Under a robust ``aggregation`` (``--aggregation``, default
@@ -113,6 +118,23 @@ def combine_contributions(contributions: dict[str, tuple[torch.Tensor, int]], ag
     return (result.value * total).to(torch.float32), total, [active[i] for i in result.outliers]
 
 
+def choose_source(weights: dict[str, tuple[str, int]]) -> str | None:
+    """Whose state the contributors to a batch take after the step, given each one's ``(digest of
+    the weights it computed the batch on, optimizer steps)``; None when all computed on the same
+    weights. The digest most contributors hold wins (its lowest peer id sends it), so a minority
+    cannot impose its state; without a majority (two replicas that differ), the replica with the most
+    optimizer steps (then the lowest peer id): a joiner's pulled state is older than its holder's."""
+    if len({digest for digest, _ in weights.values()}) <= 1:
+        return None
+    groups: dict[str, list[str]] = {}
+    for peer_id, (digest, _) in weights.items():
+        groups.setdefault(digest, []).append(peer_id)
+    majority = [peers for peers in groups.values() if 2 * len(peers) > len(weights)]
+    if majority:
+        return min(majority[0])
+    return min(weights, key=lambda p: (-weights[p][1], p))
+
+
 class GradientSync:
     """Exchanges one stage replica's gradient sums with its co-replicas, batch by batch."""
 
@@ -124,24 +146,30 @@ class GradientSync:
         self.timeout, self.max_payload_bytes, self.on_event = timeout, max_payload_bytes, on_event
         self.handler = gradients_handler(stage.spec.namespace, stage.index)
         self.num_params = sum(p.numel() for p in stage.model.parameters())
+        self.state_size = sum(t.numel() for t in stage.averaged_tensors())
         self._received: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
+        self._weights: dict[int, dict[str, tuple[str, int]]] = {}  # per batch: contributors' weights digest, steps
+        self._states: dict[int, dict[str, torch.Tensor]] = {}  # per batch: states sent to reconcile with
+        self._reconcile: dict[int, tuple[str, list[str]]] = {}  # per batch: the source, and who takes its state
+        self._state_pushes: set[asyncio.Task] = set()
         self._ahead: dict[int, set[str]] = {}  # per batch: co-replicas that said they are past it
         self._arrived = asyncio.Event()
         self._pushes: dict[str, asyncio.Task] = {}  # co-replica -> the push to it in flight
-        self._queued: dict[str, tuple[int, torch.Tensor, int]] = {}  # co-replica -> the newest push waiting for it
+        self._queued: dict[str, tuple[int, dict, torch.Tensor]] = {}  # co-replica -> the newest push waiting for it
         self._late: set[str] = set()  # co-replicas that missed their last deadline: waited for briefly
         self.typical_wait: float | None = None  # smoothed seconds a whole exchange took
         # batches closed; of them, closed without some co-replica's contribution; with no co-replica known
         self.num_exchanges = self.num_partial = self.num_alone = self.num_outvoted = 0
+        self.num_reconciled = 0  # batches after which this replica took a co-replica's state
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler, self.rpc_gradients)
-        self.stage.combine = self.combine
+        self.stage.combine, self.stage.reconcile = self.combine, self.reconcile
 
     async def stop(self) -> None:
-        self.stage.combine = None
+        self.stage.combine = self.stage.reconcile = None
         self._queued.clear()
-        for push in list(self._pushes.values()):
+        for push in [*self._pushes.values(), *self._state_pushes]:
             push.cancel()
         self._pushes.clear()
         try:
@@ -156,16 +184,21 @@ class GradientSync:
         """This replica's part of a stage-0 batch (see :func:`batch_share`)."""
         return batch_share(num_microbatches, self.co_replicas(), self.peer_id)
 
-    async def combine(self, batch: int, gradients: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+    async def combine(self, batch: int, gradients: torch.Tensor, count: int, weights: str = "") -> tuple[torch.Tensor, int]:
         """Send this replica's contribution to batch ``batch`` to every co-replica, wait for theirs
-        (or until each is past the batch, gone, or silent for ``timeout``), and return the sum."""
+        (or until each is past the batch, gone, or silent for ``timeout``), and return the sum.
+        ``weights``: the digest of the weights the contribution was computed on; contributions
+        computed on other weights than this replica's are reconciled after the step (:meth:`reconcile`)."""
         members = self.co_replicas()
         contributions = {self.peer_id: (gradients, count)}
+        header = {"batch": batch, "count": count, "weights": weights, "steps": self.stage.optimizer_steps}
         if members:
             for peer_id in members:  # theirs may come first: they still need this one
-                self._push_soon(peer_id, batch, gradients, count)
+                self._push_soon(peer_id, batch, header, gradients)
             await self._wait_contributions(batch, members)
             contributions.update({p: c for p, c in self._received.get(batch, {}).items() if p in members})
+            self._plan_reconcile(batch, {self.peer_id: (weights, header["steps"])} | {
+                p: w for p, w in self._weights.get(batch, {}).items() if p in contributions})
             ahead = self._ahead.get(batch, set())
             self._late = {p for p in members if p not in contributions and p not in ahead and not self.view.is_gone(p)}
         missing = [p[-6:] for p in members if p not in contributions]
@@ -183,13 +216,13 @@ class GradientSync:
             self.on_event("gradients_outvoted", batch=batch, peers=outvoted)
         return total, count
 
-    def _push_soon(self, peer_id: str, batch: int, gradients: torch.Tensor, count: int) -> None:
+    def _push_soon(self, peer_id: str, batch: int, header: dict[str, Any], gradients: torch.Tensor) -> None:
         """Push now, or, while the last push to ``peer_id`` is still under way (a slow link), right after
         it; only the newest waits (an older batch than that is of no use to the co-replica any more)."""
         if peer_id in self._pushes:
-            self._queued[peer_id] = (batch, gradients, count)
+            self._queued[peer_id] = (batch, header, gradients)
             return
-        push = asyncio.create_task(self._push(peer_id, batch, gradients, count), name=f"push-gradients-{batch}")
+        push = asyncio.create_task(self._push(peer_id, batch, header, gradients), name=f"push-gradients-{batch}")
         self._pushes[peer_id] = push
 
         def pushed(done: asyncio.Task) -> None:
@@ -200,9 +233,9 @@ class GradientSync:
 
         push.add_done_callback(pushed)
 
-    async def _push(self, peer_id: str, batch: int, gradients: torch.Tensor, count: int) -> None:
+    async def _push(self, peer_id: str, batch: int, header: dict[str, Any], gradients: torch.Tensor) -> None:
         try:
-            reply, _ = await call_peer(self.p2p, peer_id, self.handler, {"batch": batch, "count": count}, [gradients],
+            reply, _ = await call_peer(self.p2p, peer_id, self.handler, header, [gradients],
                                        timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
         except (PeerUnavailableError, RemoteError) as e:
             logger.debug(f"gradients of batch {batch} not delivered to {peer_id[-6:]}: {e}")
@@ -214,6 +247,67 @@ class GradientSync:
             self._ahead.setdefault(batch, set()).add(peer_id)
             self.stage.note_batch(version, from_replica=False)
             self._arrived.set()
+
+    # --- reconciling replicas whose weights differ ------------------------------------------
+
+    def _plan_reconcile(self, batch: int, weights: dict[str, tuple[str, int]]) -> None:
+        """Contributions to ``batch`` computed on different weights (a joiner's pulled state is a few
+        steps old; an averaging round fell between two replicas' steps; a replica stepped without the
+        other): after the step every contributor takes one replica's state (:func:`choose_source`)."""
+        source = choose_source(weights)
+        if source is not None:
+            self._reconcile[batch] = (source, sorted(p for p, (digest, _) in weights.items()
+                                                     if digest != weights[source][0]))
+
+    async def reconcile(self, batch: int) -> None:
+        """After the step of ``batch``: the source sends its state to the replicas that computed on
+        other weights, and those load it (waiting as for contributions), so all hold the same state
+        again. A state that does not come in time is not waited for: the next batch tries again."""
+        plan = self._reconcile.pop(batch, None)
+        if plan is None:
+            return
+        source, behind = plan
+        if source == self.peer_id:
+            state = await self.stage.run(self.stage.flat_state)
+            for peer_id in behind:
+                push = asyncio.create_task(self._push_state(peer_id, batch, state), name=f"push-state-{batch}")
+                self._state_pushes.add(push)
+                push.add_done_callback(self._state_pushes.discard)
+            return
+        if self.peer_id not in behind:
+            return
+        state = await self._wait_state(batch, source)
+        if state is None:
+            logger.info(f"batch {batch} of stage {self.stage.index}: {source[-6:]}'s state did not come; "
+                        "the weights still differ")
+            return
+        async with self.stage.paused():
+            await self.stage.run(self.stage.load_flat_state, state)
+        self.num_reconciled += 1
+        logger.info(f"batch {batch} of stage {self.stage.index}: computed on other weights than {source[-6:]}; "
+                    "took its state")
+        self.on_event("replica_reconciled", batch=batch, source=source)
+
+    async def _push_state(self, peer_id: str, batch: int, state: torch.Tensor) -> None:
+        try:
+            await call_peer(self.p2p, peer_id, self.handler, {"batch": batch, "kind": "state"}, [state],
+                            timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
+        except (PeerUnavailableError, RemoteError) as e:
+            logger.debug(f"state after batch {batch} not delivered to {peer_id[-6:]}: {e}")
+
+    async def _wait_state(self, batch: int, source: str) -> torch.Tensor | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_limit()
+        while source not in self._states.get(batch, {}) and not self.view.is_gone(source):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=min(WAIT_SLICE, remaining))
+            except asyncio.TimeoutError:
+                pass
+        return self._states.get(batch, {}).pop(source, None)
 
     def wait_limit(self) -> float:
         return wait_limit(self.typical_wait, self.timeout)
@@ -254,26 +348,45 @@ class GradientSync:
                             what="gradients")
 
     def _receive(self, sender: str, header: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
-        batch, count = header.get("batch"), header.get("count")
-        if type(batch) is not int or type(count) is not int or not 0 <= count <= 1 << 20 or batch < 0:
-            raise ProtocolError("batch and count must be non-negative integers")
+        batch = header.get("batch")
+        if type(batch) is not int or batch < 0:
+            raise ProtocolError("batch must be a non-negative integer")
         if sender not in {r.peer_id for r in self.view.members(self.stage.index)}:
             raise Declined(f"{sender[-6:]} is not a replica of stage {self.stage.index} here")
         version = self.stage.version
         if batch > version + MAX_BATCHES_AHEAD:
             raise ProtocolError(f"batch {batch} is implausibly far ahead of this replica's {version}")
+        if header.get("kind") == "state":
+            return self._receive_state(sender, batch, tensors)
+        count, weights, steps = header.get("count"), header.get("weights", ""), header.get("steps", 0)
+        if type(count) is not int or not 0 <= count <= 1 << 20:
+            raise ProtocolError("count must be a non-negative integer")
+        if type(weights) is not str or len(weights) > 64 or type(steps) is not int or steps < 0:
+            raise ProtocolError("weights must be a digest and steps a non-negative integer")
         gradients = require_tensor(tensors, 0, dtype=torch.float32, shape=(self.num_params,), name="gradients")
         if not torch.isfinite(gradients).all():
             raise ProtocolError("gradients hold NaN or Inf")
         if batch < version and not self.stage.is_closing(batch):
             return {"ok": True, "version": version}  # this replica is past it: the sender must not wait
         self._received.setdefault(batch, {})[sender] = (gradients, count)
+        self._weights.setdefault(batch, {})[sender] = (weights, steps)
         self._arrived.set()
         self.stage.note_batch(batch, from_replica=True)
         return {"ok": True, "version": self.stage.version}
 
+    def _receive_state(self, sender: str, batch: int, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """A co-replica's whole state after ``batch``, kept for :meth:`reconcile`, which loads it only if
+        this replica chose that co-replica as the batch's source (it may arrive before the choice)."""
+        if not self.stage.version - KEEP_BATCHES <= batch <= self.stage.version + 1:
+            raise Declined(f"no state is expected after batch {batch}")
+        state = require_tensor(tensors, 0, dtype=torch.float32, shape=(self.state_size,), name="state")
+        if not torch.isfinite(state).all():
+            raise ProtocolError("state holds NaN or Inf")
+        self._states.setdefault(batch, {})[sender] = state
+        self._arrived.set()
+        return {"ok": True}
+
     def _forget_before(self, batch: int) -> None:
-        for old in [b for b in self._received if b < batch - KEEP_BATCHES]:
-            del self._received[old]
-        for old in [b for b in self._ahead if b < batch - KEEP_BATCHES]:
-            del self._ahead[old]
+        for table in (self._received, self._ahead, self._weights, self._states, self._reconcile):
+            for old in [b for b in table if b < batch - KEEP_BATCHES]:
+                del table[old]

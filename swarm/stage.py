@@ -35,7 +35,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -92,7 +91,10 @@ class Stage:
         self._closed = False
         # replica_sync "gradients": adds this replica's gradient sum of a batch to its co-replicas'
         # (swarm.gradient_sync.GradientSync.combine); None: alone, the local sum is the batch's
-        self.combine: Callable[[int, torch.Tensor, int], Awaitable[tuple[torch.Tensor, int]]] | None = None
+        self.combine: Callable[[int, torch.Tensor, int, str], Awaitable[tuple[torch.Tensor, int]]] | None = None
+        # ...and, after the step, makes this replica's state its co-replicas' again if the weights the
+        # batch was computed on differed (GradientSync.reconcile); None: nothing to reconcile
+        self.reconcile: Callable[[int], Awaitable[None]] | None = None
         self._closing_batch: int | None = None
 
     @property
@@ -352,20 +354,39 @@ class Stage:
         then the step."""
         batch = self._closing_batch = self.version
         try:
-            gradients, count = await self.run(self._take_gradients)
+            gradients, count, weights = await self.run(self._take_gradients)
             if self.combine is not None:
-                gradients, count = await self.combine(batch, gradients, count)
+                gradients, count = await self.combine(batch, gradients, count, weights)
             async with self._step_lock:
                 await self.run(self._apply_gradients_sync, gradients, count)
         finally:
             self._closing_batch = None
+        if self.reconcile is not None:
+            await self.reconcile(batch)
 
-    def _take_gradients(self) -> tuple[torch.Tensor, int]:
-        """The batch's gradient sum, flat, and its microbatch count; the buffer starts empty again."""
+    def _take_gradients(self) -> tuple[torch.Tensor, int, str]:
+        """The batch's gradient sum, flat, its microbatch count, and the digest of the weights it was
+        computed on (the master's, before this step); the buffer starts empty again."""
         flat, count = stage_state.flat_gradients(self.model, self._grad_buffer), self._accumulated_microbatches
         self._grad_buffer = {}
         self._accumulated_microbatches = self._accumulated_samples = 0
-        return flat, count
+        return flat, count, self.params_digest()
+
+    @property
+    def optimizer_steps(self) -> int:
+        """AdamW steps this replica's state has taken (its optimizer's own count)."""
+        first = next(iter(self.model.parameters()))
+        return int(self.optimizer.state[first]["step"])
+
+    def flat_state(self) -> torch.Tensor:
+        """Parameters, AdamW moments and step counts as one flat vector (compute thread)."""
+        return stage_state.flat_state(self.averaged_tensors())
+
+    def load_flat_state(self, flat: torch.Tensor) -> None:
+        """Inverse of :meth:`flat_state` (compute thread): forwards move to the loaded weights."""
+        stage_state.load_flat_state(self.averaged_tensors(), flat)
+        self._publish_weights()
+        self.weights_tag = ""  # another replica's weights, now this one's own
 
     def _apply_gradients_sync(self, gradients: torch.Tensor, count: int) -> None:
         """Step on the swarm's gradient sum of the batch, divided by its number of microbatches; the
@@ -432,7 +453,7 @@ class Stage:
         inputs, outputs, weights = self._graphs.pop(mb_id)
         grad_outputs = grad_outputs.to(self.device, outputs.dtype)
         if not accumulate:
-            return _input_gradient(outputs, grad_outputs, inputs)
+            return stage_state.input_gradient(outputs, grad_outputs, inputs)
         grad_inputs = self._accumulate(outputs, grad_outputs, inputs, weights)
         self._count_accumulated(inputs.shape[0])
         return grad_inputs
@@ -449,7 +470,7 @@ class Stage:
         prints = output_fingerprint(logits) if fingerprint else None
         loss = next_token_loss(logits, targets.to(self.device))
         if not accumulate:
-            return float(loss.detach()), _input_gradient(loss, None, inputs), prints, tag
+            return float(loss.detach()), stage_state.input_gradient(loss, None, inputs), prints, tag
         grad_inputs = self._accumulate(loss, None, inputs, weights)
         self._count_accumulated(inputs.shape[0])
         return float(loss.detach()), grad_inputs, prints, tag
@@ -457,22 +478,7 @@ class Stage:
     def _accumulate(
         self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None, inputs: torch.Tensor, weights: dict[str, torch.Tensor]
     ) -> torch.Tensor | None:
-        """Backward through one graph: add the weight gradients to the buffer, return the input gradient."""
-        names = list(weights)
-        wrt = [weights[n] for n in names] + ([inputs] if inputs.requires_grad else [])
-        grads = torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
-        present = [g for g in grads if g is not None]
-        if present and not torch.isfinite(torch.stack([g.detach().abs().sum() for g in present]).sum()):
-            # a finite but huge input can still overflow: nothing of it reaches the batch (fuzzing found
-            # that one such microbatch made a stage's weights NaN for good)
-            raise ValueError("the microbatch gives non-finite gradients; refused")
-        for name, grad in zip(names, grads):
-            if grad is not None:
-                if name in self._grad_buffer:
-                    self._grad_buffer[name].add_(grad)
-                else:
-                    self._grad_buffer[name] = grad.detach().clone()
-        return grads[-1].detach().cpu() if inputs.requires_grad else None
+        return stage_state.accumulate_gradients(self._grad_buffer, outputs, grad_outputs, inputs, weights)
 
     def _count_accumulated(self, batch_size: int) -> None:
         # on the compute thread, where the gradients accumulate: the step's divisor is exact
@@ -490,10 +496,3 @@ class Stage:
         if self._clip_and_step():
             self.counters.num_steps += 1
 
-
-def _input_gradient(outputs: torch.Tensor, grad_outputs: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:
-    """The gradient w.r.t. the inputs alone (nothing accumulated); None for token-id inputs."""
-    if not inputs.requires_grad:
-        return None
-    (grad,) = torch.autograd.grad(outputs, [inputs], grad_outputs)
-    return grad.detach().cpu()

@@ -107,9 +107,57 @@ def flat_gradients(model: torch.nn.Module, gradients: dict[str, torch.Tensor]) -
                       for n, p in model.named_parameters()])
 
 
+def flat_state(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` (``Stage.averaged_tensors``: parameters, then the AdamW moments and step counts) as
+    one flat float32 CPU vector (the wire form of a replica's whole state, swarm/gradient_sync.py)."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in tensors])
+
+
+def load_flat_state(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Inverse of :func:`flat_state`: copies each tensor's slice of ``flat`` into it, in place."""
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
 def set_gradients(model: torch.nn.Module, flat: torch.Tensor) -> None:
     """Inverse of :func:`flat_gradients`: each parameter's ``.grad`` from its slice of ``flat``."""
     offset = 0
     for param in model.parameters():
         param.grad = flat[offset:offset + param.numel()].view_as(param).to(param.device)
         offset += param.numel()
+
+
+def accumulate_gradients(buffer: dict[str, torch.Tensor], outputs: torch.Tensor, grad_outputs: torch.Tensor | None,
+                         inputs: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Backward through one graph: add the weight gradients to ``buffer`` (by parameter name), return
+    the input gradient (None for token-id inputs).
+
+    Raises:
+        ValueError: the gradients are not finite (nothing is added).
+    """
+    names = list(weights)
+    wrt = [weights[n] for n in names] + ([inputs] if inputs.requires_grad else [])
+    grads = torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
+    present = [g for g in grads if g is not None]
+    if present and not torch.isfinite(torch.stack([g.detach().abs().sum() for g in present]).sum()):
+        # a finite but huge input can still overflow: nothing of it reaches the batch (fuzzing found
+        # that one such microbatch made a stage's weights NaN for good)
+        raise ValueError("the microbatch gives non-finite gradients; refused")
+    for name, grad in zip(names, grads):
+        if grad is not None:
+            if name in buffer:
+                buffer[name].add_(grad)
+            else:
+                buffer[name] = grad.detach().clone()
+    return grads[-1].detach().cpu() if inputs.requires_grad else None
+
+
+def input_gradient(outputs: torch.Tensor, grad_outputs: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor | None:
+    """The gradient w.r.t. the inputs alone (nothing accumulated); None for token-id inputs."""
+    if not inputs.requires_grad:
+        return None
+    (grad,) = torch.autograd.grad(outputs, [inputs], grad_outputs)
+    return grad.detach().cpu()

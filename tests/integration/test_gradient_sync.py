@@ -140,3 +140,27 @@ async def _train_after_news(trainer: Trainer, batch: int) -> None:
         while trainer.stage.version < batch:
             await asyncio.sleep(0.01)
     await train_batch(trainer)
+
+
+def test_replicas_that_computed_on_different_weights_hold_one_state_after_the_batch(dht_nodes):
+    """A joiner whose pulled state is a step old: after the next batch it holds its co-replica's
+    state, bit for bit (parameters and AdamW moments), and both go on in step."""
+    _, (dht1, v1), (dht2, v2) = dht_nodes
+
+    async def main() -> None:
+        (holder, holder_sync), (joiner, joiner_sync) = replicas = [await open_replica(dht1, v1, seed=1),
+                                                                   await open_replica(dht2, v2, seed=2)]
+        await wait_views(replicas, 2)
+        await train_batch(holder)  # alone for a batch (the joiner's handler is not asked: it was not a member yet)
+        holder.stage.counters.num_steps = joiner.stage.counters.num_steps = 1
+        states = [await t.stage.run(t.stage.flat_state) for t in (holder, joiner)]
+        assert not torch.equal(*states) and holder.stage.optimizer_steps == joiner.stage.optimizer_steps + 1
+        for batch in (1, 2):
+            await asyncio.wait_for(asyncio.gather(train_batch(holder), train_batch(joiner)), 60)
+            states = [await t.stage.run(t.stage.flat_state) for t in (holder, joiner)]
+            assert torch.equal(*states), f"the replicas differ after batch {batch}"
+        assert joiner_sync.num_reconciled == 1 and holder_sync.num_reconciled == 0  # the older state took the newer
+        for sync in (holder_sync, joiner_sync):
+            await sync.stop()
+
+    asyncio.run(main())

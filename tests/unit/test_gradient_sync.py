@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dht.records import ModelSpec, RunSpec
-from swarm.gradient_sync import add_in_order, batch_share
+from swarm.gradient_sync import add_in_order, batch_share, choose_source
 from swarm.stage import Stage
 
 SPEC = RunSpec(run_id="g", model=ModelSpec(d_model=16, num_layers=2, num_heads=2, seq_len=8),
@@ -54,8 +54,8 @@ def test_a_later_stage_closes_a_batch_a_co_replica_closed_and_steps_on_the_sum()
     seen = []
 
     async def body(stage: Stage):
-        async def combine(batch, gradients, count):
-            seen.append((batch, count))
+        async def combine(batch, gradients, count, weights):
+            seen.append((batch, count, weights == stage.params_digest()))
             return gradients + 1.0, count + 2  # a co-replica's contribution: two microbatches of ones
         stage.combine = combine
         before = [p.detach().clone() for p in stage.model.parameters()]
@@ -65,13 +65,13 @@ def test_a_later_stage_closes_a_batch_a_co_replica_closed_and_steps_on_the_sum()
         return before, after, stage.version
 
     before, after, version = run_on_stage(1, body)
-    assert seen == [(0, 0)] and version == 1
+    assert seen == [(0, 0, True)] and version == 1  # the digest of the weights the batch was computed on
     assert all(not torch.equal(a, b) for a, b in zip(after, before))  # every parameter got the co-replica's gradient
 
 
 def test_stage_zero_waits_for_its_trainer_to_close_and_jumps_to_newer_batches():
     async def body(stage: Stage):
-        stage.combine = lambda batch, gradients, count: asyncio.sleep(0, (gradients, count))
+        stage.combine = lambda batch, gradients, count, weights: asyncio.sleep(0, (gradients, count))
         stage.note_batch(0, from_replica=True)
         assert stage._step_task is None and stage.version == 0  # stage 0 closes when its share is back
         stage.note_batch(5, from_replica=True)
@@ -88,7 +88,7 @@ def test_a_microbatch_of_a_later_batch_closes_the_current_one_first():
     closed = []
 
     async def body(stage: Stage):
-        async def combine(batch, gradients, count):
+        async def combine(batch, gradients, count, weights):
             closed.append(batch)
             return gradients, count
         stage.combine = combine
@@ -142,3 +142,33 @@ def test_the_wait_for_co_replicas_follows_recent_exchanges_within_bounds():
     assert wait_limit(2.0, 10.0) == WAIT_FACTOR * 2.0
     assert wait_limit(5.0, 10.0) == 10.0  # never beyond the timeout
     assert MIN_WAIT < WAIT_FACTOR * 2.0 < 10.0
+
+
+def test_the_source_is_the_majority_s_weights_else_the_replica_with_most_steps():
+    assert choose_source({"a": ("w1", 5), "b": ("w1", 5)}) is None  # all computed on the same weights
+    assert choose_source({"a": ("w1", 5)}) is None
+    assert choose_source({"a": ("old", 3), "b": ("new", 5)}) == "b"  # a joiner's pulled state is older
+    assert choose_source({"a": ("x", 5), "b": ("y", 5)}) == "a"  # a tie: the lowest peer id
+    # a majority wins even against a replica claiming more steps (a minority cannot impose its state)
+    assert choose_source({"a": ("w", 5), "b": ("w", 5), "c": ("liar", 10**6)}) == "a"
+    assert choose_source({"c": ("w", 5), "b": ("w", 5), "a": ("odd", 1)}) == "b"
+    assert choose_source({"a": ("x", 1), "b": ("y", 2), "c": ("z", 3)}) == "c"  # no majority: most steps
+
+
+def test_a_replica_that_loads_another_s_flat_state_holds_the_same_state():
+    async def main():
+        ahead, behind = Stage(SPEC, 1, device=CPU), Stage(SPEC, 1, device=CPU)
+        try:
+            ahead.combine = lambda batch, gradients, count, weights: asyncio.sleep(0, (gradients + 1.0, 1))
+            await ahead.close_batch()  # one step ahead of the seed: other weights, other moments
+            assert await ahead.run(ahead.params_digest) != await behind.run(behind.params_digest)
+            state = await ahead.run(ahead.flat_state)
+            await behind.run(behind.load_flat_state, state)
+            assert await ahead.run(ahead.params_digest) == await behind.run(behind.params_digest)
+            assert behind.optimizer_steps == ahead.optimizer_steps == 1
+            assert torch.equal(await behind.run(behind.flat_state), state)
+        finally:
+            ahead.shutdown()
+            behind.shutdown()
+
+    asyncio.run(main())
