@@ -20,8 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         config, _args = load_config(parser, BootstrapConfig, argv)
     except ValueError as e:
         parser.error(str(e))
-    from peer.bootstrap import BootstrapNode, build_run_spec  # heavy imports after parsing: --help stays fast
-    from peer.status_service import open_bootstrap_status
+    from peer.bootstrap import BootstrapNode, build_run_spec, open_bootstrap_status  # heavy imports after parsing: --help stays fast
 
     try:
         build_run_spec(config)  # the model and data settings, checked before anything starts

@@ -5,7 +5,7 @@
 Each mode, one after the other in one invocation (this machine is noisy: compare within one run):
 
 1. starts run_bootstrap.py (``--stages``, default 2) and ``--peers`` run_peer.py processes on 127.0.0.1
-   (:class:`peer.local_swarm.LocalSwarm`; ``--num-threads 1 --rebalance-period 0``, so the stage map
+   (:class:`peer.harness.local_swarm.LocalSwarm`; ``--num-threads 1 --rebalance-period 0``, so the stage map
    changes only through churn; ``--status-period 1``, so a peer's first status line dates its start
    of training within a second), waits until every peer trains, then ``--warmup`` seconds;
 2. opens the measured window of ``--minutes`` and applies the seeded churn trace
@@ -94,8 +94,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.churn_metrics import (  # noqa: E402
-    PeerLife, TraceEvent, capacity_segments, choose_victim, completions, count_double, count_losses, detect_delays,
-    false_suspicions, integrate, make_trace, per_peer_rates, pre_crash_ratios, recover_delays, samples_between, spread, stage_counts,
+    PeerLife, TraceEvent, capacity_rates, capacity_segments, choose_victim, completions, count_double, count_losses,
+    detect_delays, false_suspicions, integrate, make_trace, per_peer_rates, pre_crash_ratios, recover_delays,
+    samples_between, spread, stage_counts,
 )
 
 MODES = ("no_churn", "ours", "baseline")
@@ -156,7 +157,7 @@ def supported_recovery_flag() -> bool:
 
 def run_mode(mode: str, trace: list[TraceEvent], args: argparse.Namespace, workdir: Path, *, has_recovery: bool) -> dict:
     """Runs one mode's swarm through the window; returns what happened (no metrics yet)."""
-    from peer.local_swarm import LocalSwarm
+    from peer.harness.local_swarm import LocalSwarm
 
     swarm = LocalSwarm(workdir / mode, run_id=f"churn-{mode.replace('_', '-')}")
     try:
@@ -187,9 +188,9 @@ def peer_args(recovery: str | None, args: argparse.Namespace) -> list[str]:
 
 def start_swarm(swarm, args: argparse.Namespace, flags: list[str]) -> tuple[list[TrackedPeer], Callable[[], TrackedPeer]]:
     """Starts the bootstrap (``args.stages``, ``args.seed``) and ``args.peers`` peers with ``flags`` on
-    ``swarm`` (a :class:`peer.local_swarm.LocalSwarm`) and waits until every peer trains. Returns the
+    ``swarm`` (a :class:`peer.harness.local_swarm.LocalSwarm`) and waits until every peer trains. Returns the
     tracked peers (a list that grows with every later start) and the function that starts one more."""
-    from peer.local_swarm import wait_for
+    from peer.harness.local_swarm import wait_for
 
     tracked: list[TrackedPeer] = []
 
@@ -325,11 +326,8 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
     goodput = samples_between(done, start, end) / (end - start)
     first_event = min([e["at"] for e in run["applied"]] or [end - start])
     pre_churn = samples_between(done, start, start + first_event) / first_event
-    if reference is not None:
-        rates, source = reference["rates"], "no_churn run"
-    else:
-        rates = per_peer_rates(pre_churn, stage_counts(lives, start, start + first_event, num_stages(run)))
-        source = "this run (by construction)" if mode == "no_churn" else "this run's first event period"
+    rates, source = capacity_rates(mode, lives=lives, reference=reference, pre_churn=pre_churn, start=start,
+                                   first_event=first_event, num_stages=num_stages(run))
     capacity = capacity_segments(counts, rates)
     capacity_mean = integrate(capacity, start, end) / (end - start)
     crashes = [(e["t"], next(life.peer_id for life in lives if life.name == e["peer"]))
@@ -341,7 +339,7 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
     losses = count_losses(lives)
     kinds = Counter(e["kind"] for e in run["applied"] if "skipped" not in e)
     alive_at_end = [life for life in lives if life.gone_at is None]
-    line = {
+    return {
         "bench": "churn", "mode": mode,
         "goodput_ratio": round(goodput / capacity_mean, 3) if capacity_mean > 0 else None,
         "samples_lost": losses.lost if losses else None,
@@ -376,7 +374,6 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
         "recovery": recovery,
         "trace": [trace_entry(e, lives) for e in run["applied"]],
     }
-    return line
 
 
 def trace_entry(applied: dict, lives: list[PeerLife]) -> dict:

@@ -311,3 +311,14 @@ def spread(values: Sequence[float | None]) -> dict:
     return {"median": round(statistics.median(present), 3) if present else None,
             "max": round(max(present), 3) if present else None,
             "num": len(values), "num_missing": len(values) - len(present)}
+
+
+def capacity_rates(mode: str, *, lives: list[PeerLife], reference: dict | None, pre_churn: float, start: float,
+                   first_event: float, num_stages: int) -> tuple[list[float], str]:
+    """Per-peer rates of each stage for the capacity, and their source: the no_churn run's, else this
+    run's before its first event (``pre_churn`` samples/s over its first ``first_event`` seconds from
+    ``start``)."""
+    if reference is not None:
+        return reference["rates"], "no_churn run"
+    rates = per_peer_rates(pre_churn, stage_counts(lives, start, start + first_event, num_stages))
+    return rates, "this run (by construction)" if mode == "no_churn" else "this run's first event period"

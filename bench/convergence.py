@@ -55,7 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peer.local_swarm import LocalSwarm, wait_for  # noqa: E402  (needs ROOT on sys.path when run as a script)
+from peer.harness.local_swarm import LocalSwarm, wait_for  # noqa: E402  (needs ROOT on sys.path when run as a script)
 
 MODES: dict[str, tuple[int, int]] = {"pipeline": (2, 2), "replicas": (1, 2), "swarm": (2, 4)}  # (stages, peers)
 ALL_MODES = ("single", *MODES)
@@ -342,7 +342,7 @@ def write_plot(curves: Sequence[Curve], marks: Sequence[int], path: Path) -> Non
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    from peer.report import moving_average
+    from peer.status.report import moving_average
 
     fig, (held, train) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True, layout="constrained")
     for curve in curves:

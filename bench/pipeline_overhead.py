@@ -67,7 +67,7 @@ def single_tokens_per_s(seconds: float, num_threads: int) -> float:
 
 def swarm_tokens_per_s(seconds: float, workdir: Path) -> float:
     """A bootstrap and two peers (one per stage) as processes; tokens/s through stage 0."""
-    from peer.local_swarm import LocalSwarm, wait_for
+    from peer.harness.local_swarm import LocalSwarm, wait_for
 
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap("--num-stages", "2")

@@ -5,7 +5,7 @@ bench/soak.py reads it every ~10 s while the swarm runs and once after it stoppe
 :func:`kill_leftovers`, which SIGKILLs by PID exactly the processes :func:`find_leftovers` returned
 after checking that each PID still names the same process (same start time), never by name.
 
-Why both the parent chain and the session: a peer started by :class:`peer.local_swarm.LocalSwarm`
+Why both the parent chain and the session: a peer started by :class:`peer.harness.local_swarm.LocalSwarm`
 leads a new session and process group (``start_new_session``); its hivemind DHT child (a fork) and the
 DHT child's ``p2pd`` (hivemind starts it with ``create_subprocess_exec``, no new session) inherit
 both. While the peer lives, its children are found through the parent chain. Once it exited, an

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from peer.local_swarm import LocalSwarm, wait_for  # noqa: E402
+from peer.harness.local_swarm import LocalSwarm, wait_for  # noqa: E402
 
 MODES = ("replan", "wait")
 PEER_FLAGS = ("--num-threads", "1", "--rebalance-period", "0", "--backup-period", "3", "--status-period", "1")

@@ -5,7 +5,7 @@
 For each configuration (2 peers = 1 + 1, 3 peers, 4 peers on the default 2-stage run spec, every
 peer ``--num-threads 1``) it:
 
-1. runs run_bootstrap.py + N run_peer.py on 127.0.0.1 (:class:`peer.local_swarm.LocalSwarm`),
+1. runs run_bootstrap.py + N run_peer.py on 127.0.0.1 (:class:`peer.harness.local_swarm.LocalSwarm`),
    waits until every peer trains, skips a warm-up, and counts samples finished at stage 0 over
    ``--seconds`` from the peers' metrics files (as bench/pipeline_overhead.py does);
 2. builds a :class:`planner.snapshot.SwarmSnapshot` from measured inputs only:
@@ -67,7 +67,7 @@ CONFIGS = {"2x1": 2, "3": 3, "4": 4}  # name -> peers on the 2-stage default run
 
 def measure_swarm(num_peers: int, seconds: float, workdir: Path) -> dict:
     """Runs the swarm; returns stage-0 samples/s over the window and each peer's stage and FLOP/s."""
-    from peer.local_swarm import LocalSwarm, wait_for
+    from peer.harness.local_swarm import LocalSwarm, wait_for
 
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap("--num-stages", "2")

@@ -181,7 +181,7 @@ def p2pd_socket_files(cmdline: list[str]) -> set[str]:
 
 def run_soak(trace, args: argparse.Namespace, workdir: Path) -> dict:
     """Runs the swarm through warm-up, window and stop; returns what happened (no metrics yet)."""
-    from peer.local_swarm import LocalSwarm
+    from peer.harness.local_swarm import LocalSwarm
 
     since_ticks = read_stat(os.getpid()).start_ticks
     swarm = LocalSwarm(workdir, run_id="soak")

@@ -234,7 +234,7 @@ class PeerRecord:
         software_version: the Murmuration version it runs ("" from peers older than this field).
         bytes_sent: bytes of pipeline and state messages it has sent since it started.
         bytes_received: likewise, received.
-        backup_stage: the stage whose backup it keeps for the swarm (``planner.backup``), -1 if none.
+        backup_stage: the stage whose backup it keeps for the swarm (``planner.backup_plan``), -1 if none.
         backup_version: the version of that backup (0 if none).
         layout_version: the version of the stage layout it trains under (0: the run spec's own;
             each layer-wise re-plan after a stage vanished adds one, ``planner.replanning``).

@@ -1,7 +1,7 @@
 """Backups of singly held stages, and rescues of stages that lost their last holder (DESIGN §1 step 7).
 
 Seed 001 §3.4's topology-driven model backup, as three steps every peer runs on its own view of the
-swarm (the planner's functions in :mod:`planner.backup` decide; nothing is negotiated):
+swarm (the planner's functions in :mod:`planner.backup_plan` decide; nothing is negotiated):
 
 * :class:`BackupKeeper`: if ``assign_backups`` names this peer the keeper of stage ``k`` (held by
   one peer only), it pulls ``k``'s state from that holder with the replication client, at once and
@@ -40,7 +40,7 @@ from dht.records import PeerRecord, RunSpec
 from dht.reputation import Reputation
 from peer.config import PeerConfig
 from peer.metrics import MetricsLog
-from planner.backup import BackupCopy, Rescue, assign_backups, choose_rescues
+from planner.backup_plan import BackupCopy, Rescue, assign_backups, choose_rescues
 from planner.claims import credible_copies
 from planner.stage_choice import StageMember
 from replication.config import TransferConfig
@@ -72,7 +72,7 @@ class StageBackup:
         version: the version its holder served (its snapshot's version).
         holder_id / holder_step: the holder it came from, and that holder's optimizer step at the time.
         state: the tensors as ``Stage.state_tensors`` names them (less the local step counter).
-        pulled_at: ``time.monotonic()`` when it arrived.
+        pulled_at: the keeper's clock (``time.monotonic()`` unless injected) when it arrived.
         seconds: how long the pull took.
         digest: ``state_digest`` of its parameters (what ``Stage.params_digest`` gives once loaded).
     """
@@ -142,13 +142,20 @@ async def pull_copy(
 
 
 class BackupKeeper:
-    """Keeps the backup ``planner.backup.assign_backups`` gives this peer, for the peer's whole life
-    (across stage moves: a rescuer loads the backup it kept after leaving its own stage)."""
+    """Keeps the backup ``planner.backup_plan.assign_backups`` gives this peer, for the peer's whole life
+    (across stage moves: a rescuer loads the backup it kept after leaving its own stage).
+
+    :meth:`due` decides at one instant (``now``, by default the injected ``clock``: seconds,
+    monotonic); :meth:`run` only repeats :meth:`refresh_once`, jittered by ``rng``, so a test drives
+    the decisions with a fake clock, step by step.
+    """
 
     def __init__(self, p2p: P2P, view: SwarmView, spec: RunSpec, *, peer_id: str, config: PeerConfig,
-                 metrics: MetricsLog) -> None:
+                 metrics: MetricsLog, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
         self.p2p, self.view, self.spec, self.peer_id = p2p, view, spec, peer_id
         self.config, self.metrics = config, metrics
+        self.clock, self.rng = clock, rng if rng is not None else random.Random()
         self.backup: StageBackup | None = None
         self._failed_at = -float("inf")  # a failed pull waits a period before the next try
 
@@ -167,16 +174,16 @@ class BackupKeeper:
     async def run(self, stop: asyncio.Event) -> None:
         """Refresh the backup (if this peer is a keeper) every ``CHECK_PERIOD`` seconds until ``stop``."""
         while not stop.is_set():
-            started = time.monotonic()
+            started = self.clock()
             await self.refresh_once()
-            elapsed = time.monotonic() - started
+            elapsed = self.clock() - started
             if elapsed > self.config.backup_period:
                 logger.warning(f"a backup refresh took {elapsed:.1f} s, longer than --backup-period")
-            await asyncio.sleep(CHECK_PERIOD * random.uniform(0.8, 1.2))
+            await asyncio.sleep(CHECK_PERIOD * self.rng.uniform(0.8, 1.2))
 
     async def refresh_once(self) -> None:
         """One look at the view: drop a backup nobody needs, pull one that is missing or stale."""
-        due = self.due(time.monotonic())
+        due = self.due()
         if due is not None:
             await self._pull(*due)
 
@@ -185,9 +192,12 @@ class BackupKeeper:
         times its pull's duration if longer."""
         return max(self.config.backup_period, BACKOFF_FACTOR * backup.seconds)
 
-    def due(self, now: float) -> tuple[int, PeerRecord] | None:
-        """The stage to back up now and its holder, if any; drops a backup this peer no longer keeps
-        (while its stage is unheld, the backup is kept: that is when it is needed)."""
+    def due(self, now: float | None = None) -> tuple[int, PeerRecord] | None:
+        """The stage to back up at ``now`` (default: the clock's reading) and its holder, if any; drops
+        a backup this peer no longer keeps (while its stage is unheld, the backup is kept: that is
+        when it is needed)."""
+        if now is None:
+            now = self.clock()
         num_stages = self.spec.num_stages
         duties = assign_backups(num_stages, stage_members(self.view, num_stages, HOLDER_STATES))
         duty = next((d for d in duties.values() if d.keeper_id == self.peer_id), None)
@@ -211,19 +221,20 @@ class BackupKeeper:
         return duty.stage, holder
 
     async def _pull(self, stage: int, holder: PeerRecord) -> None:
-        started = time.monotonic()
+        started = self.clock()
         try:
             result = await pull_copy(self.p2p, self.spec, stage, [holder.peer_id], request_timeout=self.config.request_timeout)
             _check_identity(self.spec, stage, result.state)
         except (TransferError, ValueError) as e:
-            self._failed_at = time.monotonic()
+            self._failed_at = self.clock()
             logger.warning(f"could not back up stage {stage} from {holder.peer_id[-6:]}: {e}; retrying in "
                            f"{self.config.backup_period:.0f} s")
             return
         digest = await asyncio.to_thread(state_digest, result.state)
-        seconds = time.monotonic() - started
+        pulled_at = self.clock()
+        seconds = pulled_at - started
         self.backup = StageBackup(stage=stage, version=result.version, holder_id=holder.peer_id, holder_step=holder.version,
-                                  state=result.state, pulled_at=time.monotonic(), seconds=seconds, digest=digest)
+                                  state=result.state, pulled_at=pulled_at, seconds=seconds, digest=digest)
         logger.info(f"backed up stage {stage} v{result.version} from its only holder {holder.peer_id[-6:]} "
                     f"({self.backup.num_bytes / 2**20:.1f} MiB in {seconds:.2f} s)")
         self.metrics.write("backup", of_stage=stage, version=result.version, holder=holder.peer_id,
@@ -239,10 +250,17 @@ def _check_identity(spec: RunSpec, stage: int, state: Mapping[str, torch.Tensor]
 
 
 class RescueWatch:
-    """Names the rescue of a stage nobody holds, once it has stayed unheld for ``settle`` seconds."""
+    """Names the rescue of a stage nobody holds, once it has stayed unheld for ``settle`` seconds.
 
-    def __init__(self, view: SwarmView, spec: RunSpec, *, peer_id: str, settle: float) -> None:
+    :meth:`check` decides at one instant (``now``, by default the injected ``clock``: seconds,
+    monotonic); :meth:`wait_rescue` only repeats it, jittered by ``rng``, so a test drives the
+    decision with a fake clock, step by step.
+    """
+
+    def __init__(self, view: SwarmView, spec: RunSpec, *, peer_id: str, settle: float,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.view, self.spec, self.peer_id, self.settle = view, spec, peer_id, settle
+        self.clock, self.rng = clock, rng if rng is not None else random.Random()
         self.costs = [stage_flops_per_sample(spec, k) for k in range(spec.num_stages)]
         self._unheld_since: dict[int, float] = {}  # stage -> when first seen unheld
         self._named: dict[int, float] = {}  # stage -> when a rescuer (maybe another peer) was named
@@ -281,13 +299,16 @@ class RescueWatch:
     async def wait_rescue(self) -> Rescue:
         """Returns once this peer is the one to rescue a stage (never otherwise; cancelled on leave)."""
         while True:
-            rescue = self.check(time.monotonic())
+            rescue = self.check()
             if rescue is not None:
                 return rescue
-            await asyncio.sleep(CHECK_PERIOD * random.uniform(0.8, 1.2))
+            await asyncio.sleep(CHECK_PERIOD * self.rng.uniform(0.8, 1.2))
 
-    def check(self, now: float) -> Rescue | None:
-        """This peer's rescue, if the current view calls for one (see the module docstring)."""
+    def check(self, now: float | None = None) -> Rescue | None:
+        """This peer's rescue, if the current view calls for one at ``now`` (default: the clock's
+        reading); see the module docstring."""
+        if now is None:
+            now = self.clock()
         num_stages = self.spec.num_stages
         # from the records, peers this peer's failure detector suspects included: a rescue moves state and
         # is not undone, so it waits for the DHT's verdict (the holder's record expired, or says it left).

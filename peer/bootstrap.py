@@ -10,7 +10,10 @@ from dht.node import DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import ModelSpec, RunSpec, even_stage_layers
 from dht.registry import declare_run_spec
 from peer.config import BootstrapConfig
+from peer.relayout import newest_layout_records
+from peer.status.service import StatusService, StatusSource
 from swarm.data import BUILTIN_PYDOC, files_dataset_id, load_corpus
+from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +78,15 @@ class BootstrapNode:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def open_bootstrap_status(node: BootstrapNode) -> StatusService:
+    """The bootstrap's status service: the health page and metrics of the whole swarm on
+    ``--status-port``, from a swarm view of its own (nothing at all with port 0)."""
+    config = node.config
+    view = SwarmView(node.dht, config.run_id) if config.status_port else None
+    # after a layer-wise re-plan, the stages and peers of the layout the swarm trains under (peer.relayout)
+    source = StatusSource(run_id=config.run_id, spec=lambda: newest_layout_records(view, node.spec)[0] if view else node.spec,
+                          records=lambda: newest_layout_records(view, node.spec)[1] if view is not None else [],
+                          owned_view=view)
+    return StatusService(source, host=config.status_host, port=config.status_port)

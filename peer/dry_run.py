@@ -28,7 +28,7 @@ from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 MIB = 2**20
-MEMBER_STATES = ("syncing", "training")  # as peer.join counts members: paused or leaving peers add nothing
+JOIN_COUNTED_STATES = ("syncing", "training")  # as peer.join counts members: paused or leaving peers add nothing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,7 @@ def plan_join(
     """The stage a join would take now and what it would change; pure but for ``needed_bytes_fn``."""
     costs = stage_costs(spec)
     members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops) for r in records
-               if r.state in MEMBER_STATES and 0 <= r.stage < spec.num_stages and r.peer_id != peer_id]
+               if r.state in JOIN_COUNTED_STATES and 0 <= r.stage < spec.num_stages and r.peer_id != peer_id]
     joiners = [Joiner(peer_id=r.peer_id, flops=r.flops, announced_at=r.announced_at)
                for r in records if r.state == "joining" and r.peer_id != peer_id]
     joiners.append(Joiner(peer_id=peer_id, flops=flops, announced_at=now))

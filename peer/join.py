@@ -11,7 +11,7 @@ import contextlib
 import logging
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import hivemind
@@ -108,8 +108,30 @@ def choose_stage_from_view(spec: RunSpec, records: list[PeerRecord], peer_id: st
     return assign_joiners(stage_costs(spec), members, joiners)[peer_id]
 
 
+class StageConfirmation:
+    """When a joiner's stage choice stands (:func:`negotiate_stage`), one read at a time: two reads in
+    a row that each finished within ``SLOW_READ`` (``SwarmView.complete_reads``) give the same stage,
+    or ``timeout`` seconds have passed on ``clock`` (seconds, monotonic) since it was made."""
+
+    def __init__(self, *, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.deadline = clock() + timeout
+        self.previous: int | None = None  # the last read's choice, if that read was complete
+
+    def is_expired(self) -> bool:
+        return self.clock() >= self.deadline
+
+    def confirms(self, stage: int, complete_reads: int) -> bool:
+        """Whether ``stage``, this read's choice, stands (``complete_reads``: the view's count after it)."""
+        if (complete_reads >= 2 and stage == self.previous) or self.is_expired():
+            return True
+        self.previous = stage if complete_reads else None
+        return False
+
+
 async def negotiate_stage(
-    view: SwarmView, spec: RunSpec, peer_id: str, *, settle_delay: float, timeout: float
+    view: SwarmView, spec: RunSpec, peer_id: str, *, settle_delay: float, timeout: float,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[int, list[PeerRecord]]:
     """Wait ``settle_delay`` for concurrent joiners to announce, then choose like all of them would.
 
@@ -117,26 +139,24 @@ async def negotiate_stage(
     within ``SLOW_READ`` (``SwarmView.complete_reads``) and give this peer the same stage: on a busy
     machine one read can miss a concurrent joiner's intent (a read that waits out a DHT timeout),
     and two joiners that each missed the other can pile onto one stage (CI: 1 and 3 on two stages).
-    At the deadline the last choice stands.
+    At the deadline the last choice stands (:class:`StageConfirmation`, on ``clock``).
 
     Returns:
         the chosen stage and the snapshot of records it was chosen from.
     """
     await asyncio.sleep(settle_delay)
-    deadline = time.monotonic() + timeout
-    previous = None
+    confirmation = StageConfirmation(timeout=timeout, clock=clock)
     while True:
         records = await view.refresh()
         try:
             stage = choose_stage_from_view(spec, records, peer_id)
         except RuntimeError:
-            if time.monotonic() >= deadline:
+            if confirmation.is_expired():
                 raise
             await asyncio.sleep(0.2)
             continue
-        if (view.complete_reads >= 2 and stage == previous) or time.monotonic() >= deadline:
+        if confirmation.confirms(stage, view.complete_reads):
             return stage, records
-        previous = stage if view.complete_reads else None
         await asyncio.sleep(CONFIRM_PERIOD)
 
 

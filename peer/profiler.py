@@ -14,7 +14,10 @@ import time
 import torch
 
 from dht.records import ModelSpec, RunSpec
+from peer.errors import UserError
 from swarm.model import Block, layer_num_params
+
+MIB = 2**20
 
 BYTES_PER_PARAM_TRAINING = 4 * 4  # float32 weight, gradient, and AdamW's two moments
 ACTIVATION_FACTOR = 20  # saved activations per block per token, in units of d_model floats
@@ -80,3 +83,20 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: this machine has no usable CUDA device; use --device cpu")
     return device
+
+
+def stage_memory_budget(spec: RunSpec, stage: int, *, max_in_flight: int, max_memory_mb: float,
+                        device: torch.device) -> int:
+    """The bytes a peer may use for ``stage`` (``--max-memory-mb``, else what ``device`` has free).
+
+    Raises:
+        UserError: ``stage`` needs more than that, with what to do about it.
+    """
+    needed = stage_memory_bytes(spec, stage, max_in_flight=max_in_flight)
+    budget = max_memory_mb * MIB if max_memory_mb else available_memory_bytes(device)
+    if needed > budget:
+        source = "--max-memory-mb allows" if max_memory_mb else f"{device} has available"
+        raise UserError(
+            f"Stage {stage} needs about {needed / MIB:.0f} MiB but this peer's budget ({source}) is "
+            f"{budget / MIB:.0f} MiB; raise --max-memory-mb, free memory, or lower --max-in-flight.", exit_code=3)
+    return int(budget)

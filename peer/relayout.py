@@ -17,7 +17,7 @@ their computing capacity. Peers agree with no message beyond their heartbeats:
   unheld. Two peers that re-planned from different views converge on the smaller block ranges.
 * Moving to the new layout, a peer finishes its in-flight work, keeps serving its old state under
   the old namespace for ``HANDOFF_GRACE`` seconds (:class:`Handoff`), and builds its new stage
-  (``swarm.relayout.compose_stage_state``) from its own old state, from the old stages' holders (which
+  (``swarm.state_pieces.compose_stage_state``) from its own old state, from the old stages' holders (which
   serve theirs the same way), and from the backups of the stages that vanished. A layer nobody has
   (a stage with two holders that both crashed keeps no backup) restarts from the run seed, and the
   peer says so in its metrics.
@@ -54,11 +54,11 @@ from planner.stage_choice import StageMember
 from replication.server import ReplicationServer
 from replication.transfer import TransferError
 from swarm.model import layer_flops_per_sample
-from swarm.relayout import StatePiece, needed_sources
+from swarm.state_pieces import StatePiece, needed_sources
 from swarm.view import SwarmView
 
-__all__ = ["Handoff", "LayoutChange", "adopted_layout", "gather_pieces", "joiner_layout", "newest_layout_records",
-           "replanned_layout", "wait_layout_change"]
+__all__ = ["Handoff", "LayoutChange", "LayoutWatch", "adopted_layout", "gather_pieces", "joiner_layout",
+           "newest_layout_records", "replanned_layout", "wait_layout_change"]
 
 logger = logging.getLogger(__name__)
 HANDOFF_GRACE = 90.0  # seconds a peer serves its old layout's state after it moved on
@@ -219,42 +219,63 @@ def offered_memory(record: PeerRecord, spec: RunSpec, *, max_in_flight: int) -> 
     return max(record.memory_bytes, stage_memory_bytes(spec, record.stage, max_in_flight=max_in_flight))
 
 
+class LayoutWatch:
+    """What :func:`wait_layout_change` decides at each look, without its waiting: a layout another peer
+    moved to (:func:`adopted_layout`), or one this peer re-plans itself (:func:`replanned_layout`, if
+    ``replan_after`` > 0, its timer read from ``clock``, the one ``watch`` reads) once its view's reads
+    complete and the lost stages' last holders do not answer ``is_answering`` (a ping): a holder
+    whose record went missing from this view is not dead. A test drives :meth:`check` with a fake clock."""
+
+    def __init__(
+        self, view: SwarmView, spec: RunSpec, base: RunSpec, watch: RescueWatch, *, peer_id: str, stage: int,
+        replan_after: float, is_answering: Callable[[str], Awaitable[bool]], max_in_flight: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.view, self.spec, self.base, self.watch = view, spec, base, watch
+        self.peer_id, self.stage, self.replan_after = peer_id, stage, replan_after
+        self.is_answering, self.max_in_flight, self.clock = is_answering, max_in_flight, clock
+        self._skipped: set[int] = set()  # stages whose re-plan a ping called off (logged once)
+        self._refused = ""  # the last reason a re-plan was impossible (logged once)
+
+    async def check(self) -> LayoutChange | None:
+        """The layout this peer moves to now, if any."""
+        change = adopted_layout(self.view, self.spec, self.base, peer_id=self.peer_id, stage=self.stage)
+        if change is not None or self.replan_after <= 0 or self.view.complete_reads < MIN_COMPLETE_READS:
+            return change
+        try:
+            change = replanned_layout(self.view, self.spec, self.watch, peer_id=self.peer_id, stage=self.stage,
+                                      now=self.clock(), after=self.replan_after, max_in_flight=self.max_in_flight)
+        except MemoryBudgetError as e:
+            if str(e) != self._refused:
+                logger.warning(f"cannot re-plan around the lost stages, waiting for a volunteer: {e}")
+            self._refused = str(e)
+            return None
+        if change is None:
+            return None
+        holders = [p for k in change.unheld for p in self.watch.last_holders(k)]
+        answers = await asyncio.gather(*(self.is_answering(p) for p in holders))
+        answering = [p for p, answered in zip(holders, answers, strict=True) if answered]
+        if answering:
+            if not self._skipped >= set(change.unheld):
+                logger.info(f"stages {list(change.unheld)} look unheld, but {answering[0][-6:]} answers a "
+                            "ping: not re-planning")
+            self._skipped |= set(change.unheld)
+            return None
+        return change
+
+
 async def wait_layout_change(
     view: SwarmView, spec: RunSpec, base: RunSpec, watch: RescueWatch, *, peer_id: str, stage: int,
     replan_after: float, is_working: Callable[[], bool], is_answering: Callable[[str], Awaitable[bool]],
-    max_in_flight: int,
+    max_in_flight: int, clock: Callable[[], float] = time.monotonic,
 ) -> LayoutChange:
-    """Returns once this peer (training or paused, ``is_working``) moves to a new layout: one another
-    peer moved to (:func:`adopted_layout`), or one it re-plans itself (:func:`replanned_layout`, if
-    ``replan_after`` > 0) once its view's reads complete and the lost stages' last holders do not
-    answer ``is_answering`` (a ping): a holder whose record went missing from this view is not dead."""
-    skipped: set[int] = set()
-    refused = ""  # the last reason a re-plan was impossible (logged once)
+    """Returns once this peer (training or paused, ``is_working``) moves to a new layout, looking every
+    ``CHECK_PERIOD`` seconds (:class:`LayoutWatch` decides)."""
+    layout_watch = LayoutWatch(view, spec, base, watch, peer_id=peer_id, stage=stage, replan_after=replan_after,
+                               is_answering=is_answering, max_in_flight=max_in_flight, clock=clock)
     while True:
         await asyncio.sleep(CHECK_PERIOD)
-        if not is_working():
-            continue
-        change = adopted_layout(view, spec, base, peer_id=peer_id, stage=stage)
-        if change is None and replan_after > 0 and view.complete_reads >= MIN_COMPLETE_READS:
-            try:
-                change = replanned_layout(view, spec, watch, peer_id=peer_id, stage=stage, now=time.monotonic(),
-                                          after=replan_after, max_in_flight=max_in_flight)
-            except MemoryBudgetError as e:
-                if str(e) != refused:
-                    logger.warning(f"cannot re-plan around the lost stages, waiting for a volunteer: {e}")
-                refused = str(e)
-                continue
-            if change is not None:
-                holders = [p for k in change.unheld for p in watch.last_holders(k)]
-                answers = await asyncio.gather(*(is_answering(p) for p in holders))
-                answering = [p for p, answered in zip(holders, answers, strict=True) if answered]
-                if answering:
-                    if not skipped >= set(change.unheld):
-                        logger.info(f"stages {list(change.unheld)} look unheld, but {answering[0][-6:]} answers a "
-                                    "ping: not re-planning")
-                    skipped |= set(change.unheld)
-                    continue
-        if change is not None:
+        if is_working() and (change := await layout_watch.check()) is not None:
             return change
 
 

@@ -11,7 +11,7 @@ The package holds two kinds of planner, one per place:
 
   - ``stage_choice``: the join decision (the stage of largest throughput deficit, concurrent
     joiners placed in announce order) and rebalancing with hysteresis (``choose_move``);
-  - ``backup``: who keeps the backup of a lone holder's stage and who rescues a lost stage;
+  - ``backup_plan``: who keeps the backup of a lone holder's stage and who rescues a lost stage;
   - ``claims``: bounds on the figures peers claim about themselves (FLOP/s, samples/s, backup
     versions) by the other peers' figures, so one liar cannot steer those decisions;
   - ``replanning``: re-splitting the layers over the stages left after a stage is lost (seed 001 §3.4);

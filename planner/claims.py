@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.backup import BackupCopy, assign_backups
+from planner.backup_plan import BackupCopy, assign_backups
 from planner.stage_choice import StageMember
 
 MAX_CLAIM_RATIO = 4.0  # a rate counts at most this many times its group's median; raise for swarms of very mixed devices
@@ -60,7 +60,7 @@ def cap_to_median(values: Sequence[float], *, max_ratio: float = MAX_CLAIM_RATIO
 
 def credible_copies(num_stages: int, members: Sequence[StageMember], copies: Sequence[BackupCopy]) -> list[BackupCopy]:
     """The backup copies to rescue from: for each stage, only the copies of the peer that
-    :func:`planner.backup.assign_backups` names its keeper when the stage has a single holder
+    :func:`planner.backup_plan.assign_backups` names its keeper when the stage has a single holder
     (the first peer of the next held stage), if it advertises one; else all of them.
 
     ``members`` are the current holders. A stage that lost its last holder is computed as if it

@@ -178,19 +178,7 @@ def replan_layout(
         return None
     if len(vanished) == len(stage_layers):
         raise ValueError("no stage is held: there is nothing to re-plan onto")
-    placed = [m for held in holders for m in held]
-    devices = tuple(Device(peer_id=m.peer_id, flops=max(m.flops, 1.0), memory_bytes=1 << 60, is_reliable=True)
-                    for m in placed)
-    size = len(devices)
-    links = LinkMatrix(latency_delay=np.zeros((size, size)), bandwidth=np.full((size, size), 1e9))
-    profile = ModelProfile(layer_flops=layer_flops, layer_param_bytes=(0.0,) * num_layers,
-                           layer_activation_bytes=(0.0,) * num_layers)
-    snapshot = SwarmSnapshot(devices=devices, links=links, model=profile)
-    plan = Plan(stages=tuple(
-        PlanStage(layer_start=start, layer_end=end,
-                  server_ids=tuple(sorted(m.peer_id for m in holders[k])) or (f"{VANISHED}{k}",))
-        for k, (start, end) in enumerate(stage_layers)))
-    decision = replan_after_failure(snapshot, plan, {f"{VANISHED}{k}" for k in vanished})
+    decision = _capacity_replan(stage_layers, layer_flops, holders)
     survivors = [k for k in range(len(stage_layers)) if k not in vanished]
     new_layers = tuple((s.layer_start, s.layer_end) for s in decision.plan.stages)
     migrations = decision.migrations
@@ -202,6 +190,26 @@ def replan_layout(
             migrations = layer_migrations(stage_layers, survivors, new_layers)
     stage_map = tuple(survivors.index(k) if k in survivors else None for k in range(len(stage_layers)))
     return LayoutReplan(stage_layers=new_layers, stage_map=stage_map, migrations=migrations)
+
+
+def _capacity_replan(stage_layers: tuple[tuple[int, int], ...], layer_flops: tuple[float, ...],
+                     holders: Sequence[Sequence[StageMember]]) -> ReplanDecision:
+    """:func:`replan_after_failure` on the running swarm's layout: each stage served by its
+    ``holders`` (a stage with none by one stand-in that fails), links uniform, memory unlimited."""
+    num_layers = len(layer_flops)
+    devices = tuple(Device(peer_id=m.peer_id, flops=max(m.flops, 1.0), memory_bytes=1 << 60, is_reliable=True)
+                    for held in holders for m in held)
+    size = len(devices)
+    links = LinkMatrix(latency_delay=np.zeros((size, size)), bandwidth=np.full((size, size), 1e9))
+    profile = ModelProfile(layer_flops=layer_flops, layer_param_bytes=(0.0,) * num_layers,
+                           layer_activation_bytes=(0.0,) * num_layers)
+    snapshot = SwarmSnapshot(devices=devices, links=links, model=profile)
+    plan = Plan(stages=tuple(
+        PlanStage(layer_start=start, layer_end=end,
+                  server_ids=tuple(sorted(m.peer_id for m in holders[k])) or (f"{VANISHED}{k}",))
+        for k, (start, end) in enumerate(stage_layers)))
+    vanished = {f"{VANISHED}{k}" for k, held in enumerate(holders) if not held}
+    return replan_after_failure(snapshot, plan, vanished)
 
 
 def stage_budget(members: Sequence[StageMember], overhead_bytes: float) -> float:

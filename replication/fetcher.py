@@ -35,7 +35,7 @@ import torch
 from replication.assignment import NeighbourLink, assign_shards_greedy
 from replication.client import DONOR_FAULTS, Session, call_pieces
 from replication.manifest import ManifestError, is_shard_valid
-from replication.report import PullReport, TransferError, drop_donor
+from replication.pull_report import PullReport, TransferError, drop_donor
 from replication.shard_store import ShardStore
 
 __all__ = ["CORRUPT_PIECE_STRIKES", "CorruptPieceError", "PieceFetcher", "Run", "split_runs"]

@@ -21,7 +21,7 @@ The state bytes of a version are copied once (``build_manifest``) and kept for t
 replicas of a stage hold bit-identical state after an averaging round, so every donor builds the
 same manifest for the same (version, shard_bytes) and the joiner can compare them.
 
-A peer that keeps the backup of another stage (``planner.backup``, seed 001 §3.4) serves it through
+A peer that keeps the backup of another stage (``planner.backup_plan``, seed 001 §3.4) serves it through
 the same three RPCs: every request names its stage, and ``backup_fn(stage)`` gives the snapshot of
 the backup this peer holds of that stage (None: it holds none, and the request is refused). Each
 stage has its own cache of frozen versions.

@@ -40,7 +40,7 @@ from replication.client import DONOR_FAULTS, Session, call_manifest, call_probe
 from replication.config import TransferConfig
 from replication.fetcher import PieceFetcher, split_runs
 from replication.manifest import Manifest, restore_state
-from replication.report import DisagreementError, PullReport, TransferError, drop_donor
+from replication.pull_report import DisagreementError, PullReport, TransferError, drop_donor
 from replication.shard_store import ShardStore
 
 __all__ = ["PullReport", "PullResult", "TransferConfig", "TransferError", "agree_on_manifest", "probe_donors",

@@ -35,7 +35,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +122,9 @@ class Router:
 
     ``sticky`` (the ``replay`` recovery): the request's planned peer goes first, then stand-ins in
     :func:`substitute_order`; otherwise (the ``restart`` baseline) a weighted random choice per attempt.
+
+    Deadlines (``failed_until``, a call's duration) are read from ``clock`` (seconds, monotonic), so a
+    test can move time forward without waiting.
     """
 
     def __init__(
@@ -140,8 +143,10 @@ class Router:
         sticky: bool = True,
         reputation: Reputation | None = None,
         spot_checker: SpotChecker | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.p2p, self.view, self.run_id = p2p, view, run_id
+        self.clock = clock
         self.spot_checker = spot_checker
         self.next_stage, self.next_stage_flops = next_stage, next_stage_flops
         self.request_timeout, self.max_payload_bytes = request_timeout, max_payload_bytes
@@ -150,7 +155,7 @@ class Router:
         self.reputation = reputation
         self.in_flight: Counter = Counter()
         self.path_in_flight: Counter = Counter()  # stage 0: its microbatches out at each peer of any stage
-        self.failed_until: dict[str, float] = {}
+        self.failed_until: dict[str, float] = {}  # peer -> the clock reading until which it is avoided
         self.num_failures = 0
         self._durations: collections.deque[float] = collections.deque(maxlen=200)  # answered calls, seconds
         self._own_durations: dict[str, collections.deque[float]] = {}  # per peer, its answered calls
@@ -162,7 +167,7 @@ class Router:
                 and not (self.reputation is not None and self.reputation.is_banned(peer_id)))
 
     def choose(self, exclude: set[str]) -> PeerRecord | None:
-        now = time.monotonic()
+        now = self.clock()
         candidates = [r for r in self.view.members(self.next_stage) if r.peer_id not in exclude and self._available(r.peer_id, now)]
         if not candidates:
             return None
@@ -173,7 +178,7 @@ class Router:
         """Stage 0: a planned peer for each stage after the first (``stage_flops[s]``: FLOP per sample of
         stage s), weighted like :meth:`choose` with this peer's microbatches out at each; "" where a
         stage has no known peer (the hop then picks a stand-in)."""
-        now = time.monotonic()
+        now = self.clock()
         path = []
         for stage in range(1, len(stage_flops)):
             candidates = [r for r in self.view.members(stage) if self._available(r.peer_id, now)]
@@ -185,7 +190,7 @@ class Router:
         return path
 
     def _next_target(self, mb_id: str, planned: str, tried: set[str]) -> str | None:
-        now = time.monotonic()
+        now = self.clock()
         if not self.sticky:
             record = self.choose(tried)
             return None if record is None else record.peer_id
@@ -204,7 +209,7 @@ class Router:
             return answer
         fingerprint = reply_tensors[1] if len(reply_tensors) == 2 else None
         if checker.should_check():
-            now = time.monotonic()
+            now = self.clock()
             others = [r.peer_id for r in self.view.members(self.next_stage) if r.peer_id != target and self._available(r.peer_id, now)]
             checker.start_check(header, tensors, peer_id=target, reply=reply, fingerprint=fingerprint, candidates=others)
         return reply, reply_tensors[:1]
@@ -220,7 +225,7 @@ class Router:
     def link_down(self, peer_id: str) -> None:
         """``peer_id`` missed pings or declined: route around it for ``failure_cooldown`` seconds,
         without declaring it gone (seed 003 §IV disconnect-link)."""
-        self.failed_until[peer_id] = time.monotonic() + self.failure_cooldown
+        self.failed_until[peer_id] = self.clock() + self.failure_cooldown
 
     def link_up(self, peer_id: str) -> None:
         """``peer_id`` answers again, or came back to work: route to it again (connect-link, scale-out)."""
@@ -307,22 +312,22 @@ class Router:
                 break
             tried.add(target)
             self.in_flight[target] += 1
-            started, deadline = time.monotonic(), self.call_timeout(target)
+            started, deadline = self.clock(), self.call_timeout(target)
             try:
                 answer = await call_peer(
                     self.p2p, target, forward_handler(self.run_id), header, tensors,
                     timeout=deadline, max_payload_bytes=self.max_payload_bytes,
                 )
-                self._record_answer(target, time.monotonic() - started)
+                self._record_answer(target, self.clock() - started)
                 return self._answered(target, header, tensors, answer)
             except (PeerUnavailableError, RemoteError) as e:
                 self.num_failures += 1
                 if isinstance(e.__cause__, TimeoutError):
                     self._record_timeout(target, deadline)
                 if getattr(e, "code", "") != "unrouted":  # it answered: only the stage after it failed
-                    self.failed_until[target] = time.monotonic() + self.failure_cooldown
+                    self.failed_until[target] = self.clock() + self.failure_cooldown
                     if self.reputation is not None:
-                        self.reputation.strike(target, f"a forward call failed after {time.monotonic() - started:.1f}s "
+                        self.reputation.strike(target, f"a forward call failed after {self.clock() - started:.1f}s "
                                                        f"(deadline {deadline:.1f}s): {e}")
                 errors.append(str(e))
                 logger.debug(f"microbatch {mb_id} failed at {target[-6:]}: {e}")

@@ -77,6 +77,11 @@ class StageServer:
         self.is_paused = False  # declines new microbatches while set (the peer's volunteer paused it)
         self._active: set[asyncio.Task] = set()  # handler tasks serving a request right now
 
+    @property
+    def num_active(self) -> int:
+        """Forward requests being served now."""
+        return len(self._active)
+
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(forward_handler(self.stage.spec.namespace), self.rpc_forward)
 

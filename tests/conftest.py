@@ -36,7 +36,7 @@ def dht_nodes(request) -> Iterator[list]:
 @pytest.fixture
 def local_swarm(tmp_path) -> Iterator:
     """A LocalSwarm under tmp_path; every process is stopped afterwards, and on failure the logs are printed."""
-    from peer.local_swarm import LocalSwarm
+    from peer.harness.local_swarm import LocalSwarm
 
     swarm = LocalSwarm(tmp_path / "swarm")
     try:

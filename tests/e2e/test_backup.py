@@ -1,7 +1,7 @@
 """kill -9 of the only peer of a stage: the stage comes back from the backup a peer of the next stage kept.
 
 Three peers on the default two stages spread 1 + 2, so one stage has a single holder and the lowest
-peer id of the other stage keeps its backup (``planner.backup``). The test waits for a fresh
+peer id of the other stage keeps its backup (``planner.backup_plan``). The test waits for a fresh
 backup, kills the holder's whole process group without warning, and checks that the keeper (its
 stage keeps a holder) moves there and loads the very state it backed up — not a re-initialised
 stage — with rebalancing off (a rescue is a repair, not a rebalance), and that training goes on
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dht.records import RunSpec
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 from swarm.stage import Stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 
-from peer.local_swarm import LocalSwarm, wait_for
+from peer.harness.local_swarm import LocalSwarm, wait_for
 from peer.faults import ALLOW_ENV, FAULTS_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]

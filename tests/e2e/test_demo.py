@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from peer.local_swarm import REPO_ROOT
+from peer.harness.local_swarm import REPO_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_demo_trains_and_loss_falls(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "peer.demo", "--duration", "30", "--workdir", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "peer.harness.demo", "--duration", "30", "--workdir", str(tmp_path)],
                             capture_output=True, text=True, timeout=280, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"stage 0: 2 peers, stage 1: 2 peers", result.stdout)

@@ -11,7 +11,7 @@ import pytest
 
 from peer.bootstrap import build_run_spec
 from peer.config import BootstrapConfig
-from peer.local_swarm import REPO_ROOT, wait_for
+from peer.harness.local_swarm import REPO_ROOT, wait_for
 from peer.profiler import stage_memory_bytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

@@ -38,7 +38,7 @@ from dht.identity import PeerIdentity, identity_of
 from dht.node import DHTNodeConfig, open_dht
 from dht.records import PeerRecord, RunSpec, peers_key
 from dht.registry import declare_peer, dht_time
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 from replication.server import ReplicationServer
 from swarm.membership import MembershipNotices
 from swarm.stage import Stage

@@ -22,7 +22,7 @@ from bench.proc_table import (
     read_stat,
     spawned,
 )
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

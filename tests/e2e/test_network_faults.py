@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from peer.local_swarm import LocalSwarm, wait_for
+from peer.harness.local_swarm import LocalSwarm, wait_for
 from tests.netns import NamespaceLink
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from dht.records import RunSpec
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 from planner.stage_choice import StageMember, choose_move
 from swarm.model import stage_flops_per_sample
 

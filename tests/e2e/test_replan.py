@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ARGS = ("--num-threads", "1", "--rebalance-period", "0", "--backup-period", "3", "--replan-after", "8")

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from peer.local_swarm import REPO_ROOT, wait_for
+from peer.harness.local_swarm import REPO_ROOT, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 SOME_PEER_ID = "12D3KooWSat51nqvjB9HV13Cyqw1FMSJRYXAY8nqF5Hh2Wbxkbss"

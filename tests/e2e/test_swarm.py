@@ -8,7 +8,7 @@ import pytest
 
 from dht.records import PeerRecord, RunSpec
 from peer.join import choose_stage_from_view
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 LOSS_WINDOW = 20

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.local_swarm import wait_for
+from peer.harness.local_swarm import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CAP_MBPS = 8.0  # 1 MB/s; a stage's state is about 5 MB

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from peer.local_swarm import REPO_ROOT
+from peer.harness.local_swarm import REPO_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 SOME_PEER_ID = "12D3KooWSat51nqvjB9HV13Cyqw1FMSJRYXAY8nqF5Hh2Wbxkbss"

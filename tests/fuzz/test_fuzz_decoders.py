@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from dht.records import PeerRecord, RunSpec
 from dht.wire import ProtocolError, decode_header, parse_tensor_layouts, read_message
-from peer.http_status import BadRequest, parse_request_head
+from peer.status.http import BadRequest, parse_request_head
 from replication.manifest import Manifest
 from replication.server import require_int, unpack_bytes
 from swarm.stage_server import _check_forward_header

@@ -35,8 +35,8 @@ from dht.node import DHTNodeConfig, open_dht
 from dht.records import RunSpec, peers_key, spec_key
 from dht.registry import fetch_peers
 from dht.rpc import call_peer, forward_handler
-from peer.local_swarm import LocalSwarm, wait_for
-from peer.status_server import STATUS_PROTOCOL
+from peer.harness.local_swarm import LocalSwarm, wait_for
+from peer.status.protocol import STATUS_PROTOCOL
 from replication.server import manifest_handler, probe_handler, shard_handler
 from swarm.membership import membership_handler
 from tests.e2e.test_status_page import free_port, get

@@ -15,7 +15,7 @@ import pytest
 from hivemind.p2p import PeerID
 
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
-from peer.status_server import STATUS_PROTOCOL, StatusProtocol
+from peer.status.protocol import STATUS_PROTOCOL, StatusProtocol
 
 pytestmark = pytest.mark.parametrize("dht_nodes", [2], indirect=True)
 

@@ -1,14 +1,18 @@
 """The forward call's adaptive deadline and the hop weights' measured latency: a slow but answering peer
-gets its own deadline and a smaller share of the calls; a hung one does not get a longer deadline."""
+gets its own deadline and a smaller share of the calls; a hung one does not get a longer deadline.
+And the router's cooldowns on a FakeClock: a failed peer or a down link is avoided until its deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
 import pytest
+import torch
 
 from dht.records import PeerRecord
+from dht.rpc import PeerUnavailableError
 from swarm.router import (
     LATENCY_TOLERANCE,
     MIN_CALL_TIMEOUT,
@@ -16,10 +20,13 @@ from swarm.router import (
     OWN_MARGIN,
     PROBE_FACTOR,
     SLOW_PEER_RATIO,
+    NoPeerAvailableError,
     Router,
     hop_weights,
     latency_factors,
 )
+from swarm.view import SwarmView
+from tests.unit.fake_clock import FakeClock
 
 REQUEST_TIMEOUT = 60.0
 
@@ -126,3 +133,61 @@ def test_a_link_down_is_avoided_until_it_is_up_again():
     r.link_up("b")
     r.link_up("never-seen")  # nothing to forget: no error
     assert "b" not in r.failed_until
+
+
+COOLDOWN = 10.0
+
+
+def routing(clock: FakeClock, *next_stage_peers: str) -> Router:
+    """A router to stage 1 whose view holds ``next_stage_peers`` there, on ``clock``."""
+    view = SwarmView(None, "r")
+    view.records = [PeerRecord(peer_id=p, role="reliable", state="training", stage=1, flops=1e9) for p in next_stage_peers]
+    return Router(None, view, run_id="r", next_stage=1, next_stage_flops=1.0, request_timeout=REQUEST_TIMEOUT,
+                  max_payload_bytes=1 << 20, rng=random.Random(0), failure_cooldown=COOLDOWN, clock=clock)
+
+
+def fake_call(clock: FakeClock, seconds: float, *, fails: bool = False):
+    """A stand-in for ``swarm.router.call_peer`` that takes ``seconds`` on ``clock``, then answers or fails."""
+    async def call(p2p, peer_id, handler, header, tensors=(), *, timeout, max_payload_bytes):
+        clock.advance(seconds)
+        if fails:
+            raise PeerUnavailableError(f"{peer_id} hung up")
+        return {"ok": True}, [torch.zeros(1)]
+    return call
+
+
+def test_a_peer_that_failed_a_call_is_avoided_until_its_cooldown_passed(monkeypatch):
+    clock = FakeClock(100.0)
+    monkeypatch.setattr("swarm.router.call_peer", fake_call(clock, 2.0, fails=True))
+    r = routing(clock, "b")
+    with pytest.raises(NoPeerAvailableError):
+        asyncio.run(r.forward({"mb_id": "m1"}, [torch.zeros(1)]))
+    assert r.failed_until == {"b": 102.0 + COOLDOWN}, "the cooldown starts when the call failed"
+    clock.advance(COOLDOWN - 0.5)
+    assert r.choose(set()) is None and r._next_target("m2", "b", set()) is None
+    clock.advance(0.5)
+    assert r.choose(set()).peer_id == "b" and r._next_target("m2", "b", set()) == "b"
+
+
+def test_a_call_is_timed_on_the_routers_clock(monkeypatch):
+    clock = FakeClock(100.0)
+    monkeypatch.setattr("swarm.router.call_peer", fake_call(clock, 2.5))
+    r = routing(clock, "b")
+    reply, _ = asyncio.run(r.forward({"mb_id": "m1"}, [torch.zeros(1)]))
+    assert reply == {"ok": True}
+    assert r.latency == {"b": 2.5} and list(r._own_durations["b"]) == [2.5]
+
+
+def test_a_link_down_is_routed_around_for_the_cooldown_or_until_it_is_up():
+    clock = FakeClock(100.0)
+    r = routing(clock, "b", "c")
+    r.link_down("b")
+    assert {r.choose(set()).peer_id for _ in range(50)} == {"c"}
+    assert r.plan_path([1.0, 1.0]) == ["c"]
+    r.link_up("b")
+    assert {r.choose(set()).peer_id for _ in range(50)} == {"b", "c"}, "up again: at once"
+    r.link_down("c")
+    clock.advance(COOLDOWN - 0.5)
+    assert {r.choose(set()).peer_id for _ in range(50)} == {"b"}
+    clock.advance(0.5)
+    assert {r.choose(set()).peer_id for _ in range(50)} == {"b", "c"}, "the cooldown is over without a link_up"

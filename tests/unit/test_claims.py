@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dht.records import PeerRecord
-from planner.backup import BackupCopy
+from planner.backup_plan import BackupCopy
 from planner.claims import MAX_CLAIM_RATIO, cap_to_median, credible_copies, lower_median
 from planner.stage_choice import StageMember
 from swarm.router import hop_weights

@@ -1,11 +1,11 @@
-"""peer.health_page: a self-contained page whose inline data cannot carry markup or script."""
+"""peer.status.page: a self-contained page whose inline data cannot carry markup or script."""
 
 from __future__ import annotations
 
 import json
 import re
 
-from peer.health_page import embed_json, render_health_page
+from peer.status.page import embed_json, render_health_page
 from tests.unit.test_terminal_view import make_doc
 
 HOSTILE = "</script><script>alert(1)</script><!--"

@@ -1,4 +1,4 @@
-"""peer.http_status: request heads parsed strictly, and a live server on 127.0.0.1 that survives bad input.
+"""peer.status.http: request heads parsed strictly, and a live server on 127.0.0.1 that survives bad input.
 
 The server is plain asyncio on loopback (no hivemind), fast enough for the unit layer.
 """
@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from peer.http_status import MAX_HEAD_BYTES, BadRequest, Response, StatusHTTPServer, parse_request_head
+from peer.status.http import MAX_HEAD_BYTES, BadRequest, Response, StatusHTTPServer, parse_request_head
 
 
 @pytest.mark.parametrize(("head", "expected"), [
@@ -80,7 +80,7 @@ def test_server_answers_bad_input_with_4xx_logs_it_and_keeps_serving(routes, cap
             assert status_of(head) == 200 and head.endswith(b"\r\n\r\n")
             assert server.num_bad_requests == 6 and server.num_requests == 10
 
-    with caplog.at_level(logging.WARNING, logger="peer.http_status"):
+    with caplog.at_level(logging.WARNING, logger="peer.status.http"):
         asyncio.run(scenario())
     assert sum("bad request" in r.getMessage() for r in caplog.records) == 6
     assert any("status page /broken failed" in r.getMessage() for r in caplog.records)

@@ -24,7 +24,10 @@ ALLOWED = {  # package -> our packages it may import
     "peer": {"planner", "dht", "swarm", "replication"},
 }
 PLANNER_FORBIDDEN = {"torch", "hivemind", "asyncio", "socket", "time", "threading", "random", "libp2p"}
-OFFLINE_PLANNER = "planner.offline"  # evaluated by bench/ and the tests only; the live peer never imports it
+OFFLINE_PLANNER = "planner.offline"
+VIEWS = "peer.status"  # the volunteer-facing windows: they read snapshots and records, never the peer's core
+VIEWS_MAY_IMPORT = {"peer.errors"}  # of peer/ outside peer.status
+HARNESS = "peer.harness"  # local swarms for the demo, bench/ and the tests; a running peer never loads it  # evaluated by bench/ and the tests only; the live peer never imports it
 SCRIPT_DIRS = ("bench",)  # folders of scripts that put the repository root on sys.path themselves
 NOT_SOURCE = ("tests",)  # top-level folders with Python files that are neither packages nor scripts
 
@@ -170,6 +173,28 @@ def test_planner_docstrings_name_their_modules():
         docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
         missing = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__" and f"``{p.stem}``" not in docstring)
         assert not missing, f"{folder.relative_to(ROOT)}/__init__.py does not name {missing}"
+
+
+def test_the_views_never_import_the_peers_core():
+    """``peer.status`` (page, terminal, /metrics, status protocol, report) reads a ``PeerSnapshot`` and
+    the DHT records; the core imports it, never the other way round."""
+    modules = repository_modules()
+    graph = import_graph(modules)
+    for module in (m for m in modules if m == VIEWS or m.startswith(VIEWS + ".")):
+        core = sorted(m for m in graph[module] if m.split(".")[0] == "peer" and m != "peer"
+                      and not (m == VIEWS or m.startswith(VIEWS + ".")) and m not in VIEWS_MAY_IMPORT)
+        assert not core, f"{module} imports the peer's core: {core}"
+
+
+def test_the_runtime_never_imports_the_local_swarm_harness():
+    modules = repository_modules()
+    graph = import_graph(modules)
+    for path in live_peer_files():
+        module = module_name(path)
+        if module == HARNESS or module.startswith(HARNESS + "."):
+            continue
+        harness = sorted(m for m in graph[module] if m == HARNESS or m.startswith(HARNESS + "."))
+        assert not harness, f"{module} imports {harness}: the harness is for demos, benchmarks and tests"
 
 
 def test_no_import_cycle_between_modules():

@@ -1,17 +1,21 @@
 """A running swarm's layout change, on views built from records (peer/relayout.py): who re-plans and
 when, who adopts another peer's layout, where each peer goes, what a joiner trains under; and the
-layout fields of records and views (dht/records.py, swarm/view.py)."""
+layout fields of records and views (dht/records.py, swarm/view.py). The re-plan timer runs on a
+FakeClock (``LayoutWatch``, the decision inside ``wait_layout_change``): no test waits."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from peer.backup import MIN_COMPLETE_READS, RescueWatch
 from peer.profiler import FIXED_OVERHEAD_BYTES, layer_memory_bytes, stage_memory_bytes
-from peer.relayout import adopted_layout, joiner_layout, new_stage_of, record_layout, replanned_layout
+from peer.relayout import LayoutWatch, adopted_layout, joiner_layout, new_stage_of, record_layout, replanned_layout
 from planner.replanning import MemoryBudgetError
 from swarm.view import SwarmView
+from tests.unit.fake_clock import FakeClock
 
 BASE = RunSpec(run_id="run", model=ModelSpec(num_layers=6), stage_layers=((0, 2), (2, 4), (4, 6)))
 V1 = ((0, 3), (3, 6))
@@ -155,3 +159,66 @@ def test_a_competing_replan_keeps_the_numbering_and_a_peer_cut_off_follows_the_s
              record("b", 1, version=1, layers=V1, layout_map=(0, -1, 1))]
     change = adopted_layout(view_of([*moved, record("c", 1)]), BASE, BASE, peer_id="c", stage=1)
     assert change.spec.stage_layers == V1 and change.stage == 0, "its layers 2-3 start in new stage 0"
+
+
+def watching_lost_stage_1(clock: FakeClock, pinged: list[str], answering: set[str], *,
+                          replan_after: float = 8.0) -> LayoutWatch:
+    """Peer "a"'s layout watch on ``clock``, in a swarm whose stage 1 ("b") was lost at t = 100 and
+    that no peer can rescue; its pings of ``answering`` peers are answered (every ping noted in ``pinged``)."""
+    view = view_of([record("a", 0), record("c", 2, flops=2e9)])
+
+    async def is_answering(peer_id: str) -> bool:
+        pinged.append(peer_id)
+        return peer_id in answering
+
+    return LayoutWatch(view, BASE, BASE, watching(view, "a", [record("b", 1)]), peer_id="a", stage=0,
+                       replan_after=replan_after, is_answering=is_answering, max_in_flight=4, clock=clock)
+
+
+def test_the_layout_watch_replans_replan_after_seconds_after_the_stage_was_lost() -> None:
+    clock, pinged = FakeClock(100.0), []
+    layout_watch = watching_lost_stage_1(clock, pinged, set())
+    clock.advance(7.5)
+    assert asyncio.run(layout_watch.check()) is None and pinged == [], "not yet: nobody pinged"
+    clock.advance(0.5)
+    change = asyncio.run(layout_watch.check())
+    assert change is not None and (change.reason, change.unheld) == ("replanned", (1,))
+    assert change.spec.stage_layers == ((0, 2), (2, 6))
+    assert pinged == ["b"], "the lost stage's last holder is pinged before the re-plan"
+
+
+def test_the_layout_watch_does_not_replan_while_a_lost_holder_answers_a_ping() -> None:
+    clock, pinged, answering = FakeClock(100.0), [], {"b"}
+    layout_watch = watching_lost_stage_1(clock, pinged, answering)
+    clock.advance(100.0)
+    assert asyncio.run(layout_watch.check()) is None and asyncio.run(layout_watch.check()) is None
+    assert pinged == ["b", "b"], "asked again at each look"
+    answering.clear()  # its record was missing from the view, and now it is really gone
+    assert asyncio.run(layout_watch.check()).reason == "replanned"
+
+
+def test_the_layout_watch_replans_only_on_complete_reads_and_when_asked_to() -> None:
+    clock, pinged = FakeClock(100.0), []
+    layout_watch = watching_lost_stage_1(clock, pinged, set())
+    clock.advance(100.0)
+    layout_watch.view.complete_reads = MIN_COMPLETE_READS - 1  # this peer's own reads are slow: no evidence
+    assert asyncio.run(layout_watch.check()) is None
+    layout_watch.view.complete_reads = MIN_COMPLETE_READS
+    assert asyncio.run(layout_watch.check()) is not None
+    never = watching_lost_stage_1(clock, pinged, set(), replan_after=0.0)  # --replan-after 0: never re-plan
+    clock.advance(1000.0)
+    assert asyncio.run(never.check()) is None
+
+
+def test_the_layout_watch_adopts_another_peers_layout_whatever_the_clock_says() -> None:
+    view = view_of([record("a", 0, version=1, layers=V1, layout_map=(0, -1, 1)), record("c", 2)])
+
+    async def is_answering(peer_id: str) -> bool:
+        raise AssertionError("an adopted layout pings nobody")
+
+    clock = FakeClock(0.0)
+    layout_watch = LayoutWatch(view, BASE, BASE, RescueWatch(view, BASE, peer_id="c", settle=3.0, clock=clock),
+                               peer_id="c", stage=2, replan_after=8.0, is_answering=is_answering, max_in_flight=4,
+                               clock=clock)
+    change = asyncio.run(layout_watch.check())
+    assert (change.reason, change.proposer, change.stage) == ("adopted", "a", 1)

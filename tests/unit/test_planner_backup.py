@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.backup import (
+from planner.backup_plan import (
     BackupCopy,
     BackupDuty,
     Rescue,

@@ -1,4 +1,4 @@
-"""Composing a stage's state for a new layer layout (swarm/relayout.py): the model computes the same
+"""Composing a stage's state for a new layer layout (swarm/state_pieces.py): the model computes the same
 function after the layout change, each layer keeps its optimizer history, precedence and provenance,
 and bad pieces are refused."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dht.records import ModelSpec, RunSpec
-from swarm.relayout import (
+from swarm.state_pieces import (
     BadPieceError,
     StatePiece,
     compose_stage_state,

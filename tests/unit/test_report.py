@@ -1,4 +1,4 @@
-"""python -m peer.report: generated event logs in, three valid PNGs out; the series behind them."""
+"""python -m peer.status.report: generated event logs in, three valid PNGs out; the series behind them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from peer.report import PLOTS, PeerLog, loss_series, main, moving_average, read_events, stage_series, throughput_series
+from peer.status.report import PLOTS, PeerLog, loss_series, main, moving_average, read_events, stage_series, throughput_series
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000.0
@@ -83,7 +83,7 @@ def test_missing_or_empty_logs_are_one_sentence(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("garbage\n")
     for args in ([str(tmp_path / "missing.jsonl")], [str(empty)]):
-        result = subprocess.run([sys.executable, "-m", "peer.report", *args, "--out", str(tmp_path / "out")],
+        result = subprocess.run([sys.executable, "-m", "peer.status.report", *args, "--out", str(tmp_path / "out")],
                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2
         assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
@@ -92,7 +92,7 @@ def test_missing_or_empty_logs_are_one_sentence(tmp_path):
 
 def test_a_log_with_only_some_kinds_of_events_still_plots(tmp_path):
     log = PeerLog(name="bootstrap-only", events=[{"t": T0, "event": "joined"}])
-    from peer.report import write_report
+    from peer.status.report import write_report
 
     paths = write_report([log], tmp_path)
     assert [p.name for p in paths] == list(PLOTS) and all(p.stat().st_size > 1000 for p in paths)

@@ -1,15 +1,18 @@
 """The peer's side of backups, on views built from records: when a keeper pulls or drops its copy
 (BackupKeeper.due), when a peer acts on an unheld stage (RescueWatch: settle, joiners first, grace
-for the one named), and the backup digest matching what a stage reports once the backup is loaded."""
+for the one named), and the backup digest matching what a stage reports once the backup is loaded.
+Time is a number passed in (``now``) or a FakeClock (``clock=``): no test waits on the wall clock."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import torch
 
 from dht.records import PeerRecord, RunSpec
 from peer.backup import (
+    BACKOFF_FACTOR,
     MIN_COMPLETE_READS,
     RESCUE_GRACE,
     BackupKeeper,
@@ -19,8 +22,10 @@ from peer.backup import (
 )
 from peer.config import PeerConfig
 from peer.metrics import MetricsLog
+from replication.transfer import TransferError
 from swarm.stage import Stage
 from swarm.view import SwarmView
+from tests.unit.fake_clock import FakeClock
 
 SPEC = RunSpec(run_id="run")
 SETTLE = 3.0
@@ -35,11 +40,11 @@ def record(peer_id: str, stage: int, *, state: str = "training", backup_stage: i
 PERIOD = 30.0
 
 
-def keeper(peer_id: str, records: list[PeerRecord]) -> BackupKeeper:
+def keeper(peer_id: str, records: list[PeerRecord], **kwargs) -> BackupKeeper:
     view = SwarmView(None, "run")
     view.records = records
     config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), backup_period=PERIOD)
-    return BackupKeeper(None, view, SPEC, peer_id=peer_id, config=config, metrics=MetricsLog(None))
+    return BackupKeeper(None, view, SPEC, peer_id=peer_id, config=config, metrics=MetricsLog(None), **kwargs)
 
 
 def copy_of(stage: int, holder: str, *, step: int, at: float, seconds: float = 0.5) -> StageBackup:
@@ -215,3 +220,61 @@ def test_a_holder_only_suspected_by_this_peer_is_not_rescued_until_its_record_is
     assert watch.check(0.0) is None and watch.check(10 * SETTLE) is None
     watch.view.records = records[1:]  # a's record expired: the DHT's verdict
     assert watch.check(11 * SETTLE) is None and watch.check(12 * SETTLE).to_stage == 0
+
+
+def test_the_watch_names_the_rescue_on_its_injected_clock_only_once_settled():
+    clock = FakeClock(1000.0)
+    view = SwarmView(None, "run")
+    view.records = [record("b", 1, backup_stage=0, backup_version=9), record("c", 1)]
+    view.complete_reads = MIN_COMPLETE_READS
+    watch = RescueWatch(view, SPEC, peer_id="b", settle=SETTLE, clock=clock)
+    assert watch.check() is None  # stage 0 first seen unheld now
+    clock.advance(SETTLE - 0.5)
+    assert watch.check() is None, "not before the settle time"
+    clock.advance(0.5)
+    rescue = watch.check()
+    assert rescue is not None and (rescue.peer_id, rescue.to_stage) == ("b", 0)
+
+
+def pull_taking(clock: FakeClock, seconds: float, pulls: list[tuple[int, float]], *, fails: bool = False):
+    """A stand-in for ``peer.backup.pull_copy`` that takes ``seconds`` on ``clock`` and serves a
+    state that says it is of the stage asked for (or fails), noting (stage, start) in ``pulls``."""
+    async def pull(p2p, spec, stage, donors, *, request_timeout, reputation=None):
+        pulls.append((stage, clock()))
+        clock.advance(seconds)
+        if fails:
+            raise TransferError("the holder hung up", None)
+        identity = torch.tensor([stage, *spec.stage_layers[stage]], dtype=torch.int64)
+        return SimpleNamespace(version=7, state={"stage.layers": identity})
+    return pull
+
+
+def test_a_pull_is_timed_on_the_keepers_clock_and_a_slow_one_stretches_the_next_refresh(monkeypatch):
+    clock, pulls = FakeClock(500.0), []
+    monkeypatch.setattr("peer.backup.pull_copy", pull_taking(clock, 20.0, pulls))
+    records = [record("a", 0, version=7), record("b", 1), record("c", 1)]
+    k = keeper("b", records, clock=clock)
+    asyncio.run(k.refresh_once())
+    assert pulls == [(0, 500.0)]
+    assert (k.backup.stage, k.backup.pulled_at, k.backup.seconds, k.backup.holder_step) == (0, 520.0, 20.0, 7)
+    asyncio.run(k.refresh_once())
+    assert len(pulls) == 1, "the holder has not stepped since"
+    k.view.records = [record("a", 0, version=9), *records[1:]]
+    clock.advance(BACKOFF_FACTOR * 20.0 - 1.0)  # past --backup-period, within four times the pull
+    asyncio.run(k.refresh_once())
+    assert len(pulls) == 1
+    clock.advance(1.0)
+    asyncio.run(k.refresh_once())
+    assert pulls[1:] == [(0, 600.0)]
+
+
+def test_a_failed_pull_waits_a_period_from_when_it_failed(monkeypatch):
+    clock, pulls = FakeClock(500.0), []
+    monkeypatch.setattr("peer.backup.pull_copy", pull_taking(clock, 2.0, pulls, fails=True))
+    k = keeper("b", [record("a", 0, version=5), record("b", 1), record("c", 1)], clock=clock)
+    asyncio.run(k.refresh_once())
+    assert pulls == [(0, 500.0)] and k.backup is None
+    clock.advance(PERIOD - 0.5)  # a period after the pull started, not after it failed (at 502)
+    assert k.due() is None
+    clock.advance(0.5)
+    assert k.due()[0] == 0

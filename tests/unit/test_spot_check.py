@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from dht.reputation import Reputation
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.faults import ALLOW_ENV, FAULTS_ENV, inject_corrupt_shards, inject_wrong_outputs, read_faults
-from peer.prometheus_metrics import PeerCollector, make_registry
+from peer.status.prometheus import PeerCollector, make_registry
+from peer.status.snapshot import ServiceCounters
 from swarm.spot_check import (
     FINGERPRINT_DIMS,
     STRICT_TOLERANCE,
@@ -175,16 +177,13 @@ def test_a_weighted_strike_counts_as_several():
 
 
 def test_spot_checks_strikes_and_bans_are_in_the_metrics():
-    peer = training_peer()
-    peer.reputation = Reputation(max_strikes=2)
-    peer.reputation.strike("QmBad", "spot check mismatch")
-    peer.reputation.strike("QmBad", "spot check mismatch")
-    peer.router = types.SimpleNamespace(in_flight=Counter(), num_failures=0,
-                                        spot_checker=types.SimpleNamespace(num_checks=Counter(match=7, mismatch=2)))
-    try:
-        got = samples(make_registry(PeerCollector(peer)))
-    finally:
-        peer.stage.shutdown()
+    reputation = Reputation(max_strikes=2)
+    reputation.strike("QmBad", "spot check mismatch")
+    reputation.strike("QmBad", "spot check mismatch")
+    snapshot, history = training_peer()
+    snapshot = dataclasses.replace(snapshot, bans=reputation.num_bans, strikes=reputation.num_strikes,
+                                   services=ServiceCounters(spot_checks=Counter(match=7, mismatch=2)))
+    got = samples(make_registry(PeerCollector(lambda: snapshot, lambda: history)))
     assert got[("murmuration_spot_checks_total", (("outcome", "match"),))] == 7.0
     assert got[("murmuration_spot_checks_total", (("outcome", "mismatch"),))] == 2.0
     assert got[("murmuration_spot_checks_total", (("outcome", "skipped"),))] == 0.0

@@ -1,35 +1,43 @@
-"""peer.status: the peer's own status (local_status), recent rates, and the state download progress."""
+"""peer.status.local: the peer's own status (local_status of a snapshot), recent rates, the state
+download progress; and the snapshot a real :class:`peer.lifecycle.Peer` takes of itself."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
-import types
 
 import pytest
 import torch
 
-from dht.records import RunSpec
+from dht.records import PEER_STATES, PeerRecord, RunSpec
 from dht.wire import Traffic
 from peer.config import PeerConfig
-from peer.status import SOFTWARE_VERSION, StatusHistory, StatusSample, SyncProgress, local_status, sample_peer
+from peer.lifecycle import Peer
+from peer.status.local import SOFTWARE_VERSION, StatusHistory, StatusSample, SyncProgress, local_status, sample_of
+from peer.status.snapshot import PeerSnapshot, PeerState, ServiceCounters, describe_activity
 from swarm.stage import Stage
+from swarm.view import SwarmView
 
 STATUS_KEYS = {
-    "peer_id", "run_id", "role", "client_mode", "stage", "num_stages", "state", "software_version", "step",
-    "tokens_per_s", "samples_per_s", "microbatches_per_s", "bytes_sent_per_s", "bytes_received_per_s", "loss",
-    "bytes_sent", "bytes_received", "uptime_s", "num_samples", "num_microbatches", "flops", "time", "sync", "checkpoint",
+    "peer_id", "run_id", "role", "client_mode", "stage", "num_stages", "state", "activity", "software_version",
+    "step", "tokens_per_s", "samples_per_s", "microbatches_per_s", "bytes_sent_per_s", "bytes_received_per_s",
+    "loss", "val_loss", "bytes_sent", "bytes_received", "uptime_s", "num_samples", "num_microbatches", "flops",
+    "time", "sync", "checkpoint",
 }
 
 
-def make_peer(*, stage: Stage | None = None, spec: RunSpec | None = None, state: str = "joining") -> types.SimpleNamespace:
-    """The attributes of peer.lifecycle.Peer that local_status reads, around a real Stage."""
-    config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), run_id="demo", client_mode=True)
-    return types.SimpleNamespace(
-        peer_id="QmPeerABCDEF", config=config, role=config.resolved_role, state=state, stage=stage, spec=spec,
-        flops=2.5e9, started_at=time.monotonic() - 12.0, traffic=Traffic(bytes_sent=1000, bytes_received=2000),
-        history=StatusHistory(seq_len=spec.model.seq_len) if spec else None, sync_progress=None)
+def make_snapshot(**fields) -> PeerSnapshot:
+    """A joining peer's snapshot, with ``fields`` changed."""
+    base = dict(time=1000.0, run_id="demo", role="unreliable", client_mode=True, state=PeerState.JOINING,
+                activity="joining the swarm", peer_id="QmPeerABCDEF", flops=2.5e9, uptime_s=12.0,
+                bytes_sent=1000, bytes_received=2000)
+    return PeerSnapshot(**{**base, **fields})
+
+
+def make_peer() -> Peer:
+    """A real peer, not started: what it shows before it joins, and after the test gives it a stage."""
+    return Peer(PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), run_id="demo", client_mode=True))
 
 
 def sample(t: float, num_samples: int, *, loss: float = 3.0, sent: int = 0, received: int = 0) -> StatusSample:
@@ -38,33 +46,70 @@ def sample(t: float, num_samples: int, *, loss: float = 3.0, sent: int = 0, rece
 
 
 def test_local_status_of_a_joining_peer_has_every_key_and_is_json():
-    status = local_status(make_peer())
+    status = local_status(make_snapshot())
     assert set(status) == STATUS_KEYS
     assert status["state"] == "joining" and status["stage"] == -1 and status["num_stages"] is None
     assert status["role"] == "unreliable" and status["client_mode"] is True
-    assert status["loss"] is None and status["tokens_per_s"] == 0.0
-    assert status["uptime_s"] >= 12.0 and status["software_version"] == SOFTWARE_VERSION != "unknown"
+    assert status["loss"] is None and status["val_loss"] is None and status["tokens_per_s"] == 0.0
+    assert status["uptime_s"] == 12.0 and status["software_version"] == SOFTWARE_VERSION != "unknown"
     assert (status["bytes_sent"], status["bytes_received"]) == (1000, 2000)
     json.dumps(status, allow_nan=False)  # strict JSON: no NaN
 
 
-def test_local_status_of_a_training_peer_reads_its_stage_and_recent_rates():
+def test_local_status_of_a_training_peer_reads_its_snapshot_and_recent_rates():
+    history = StatusHistory(seq_len=64)
+    history.record(sample(1000.0, 0, sent=0))
+    history.record(sample(1002.0, 64, sent=4000))
+    snapshot = make_snapshot(state=PeerState.TRAINING, activity="training stage 1", stage=1, num_stages=2, step=3,
+                             num_samples=16, num_microbatches=1, loss=2.5, val_loss=2.25)
+    status = local_status(snapshot, history)
+    assert (status["stage"], status["num_stages"], status["state"], status["step"]) == (1, 2, "training", 3)
+    assert status["activity"] == "training stage 1"
+    assert status["samples_per_s"] == 32.0 and status["tokens_per_s"] == 32.0 * 64
+    assert status["microbatches_per_s"] == 2.0 and status["bytes_sent_per_s"] == 2000.0
+    assert status["loss"] == 2.5 and status["val_loss"] == 2.25
+    assert status["num_samples"] == 16 and status["num_microbatches"] == 1
+    json.dumps(status, allow_nan=False)
+
+
+def test_peer_states_are_the_records_states():
+    assert tuple(state.value for state in PeerState) == PEER_STATES
+
+
+def test_the_activity_says_what_a_volunteer_needs_to_know():
+    assert describe_activity(PeerState.JOINING, stage=-1, joined=False, unheld=[]) == "joining the swarm"
+    assert describe_activity(PeerState.SYNCING, stage=1, joined=True, unheld=[]) == "loading the state of stage 1"
+    assert describe_activity(PeerState.TRAINING, stage=0, joined=True, unheld=[]) == "training stage 0"
+    assert describe_activity(PeerState.TRAINING, stage=0, joined=True, unheld=[1, 2]) == "waiting: stage 1 has no holder"
+    assert describe_activity(PeerState.PAUSED, stage=0, joined=True, unheld=[]).startswith("paused")
+
+
+def test_a_real_peer_snapshots_itself_before_it_joins():
+    peer = make_peer()
+    snapshot = peer.snapshot
+    assert snapshot.state is PeerState.JOINING and snapshot.activity == "joining the swarm"
+    assert (snapshot.stage, snapshot.num_stages, snapshot.run_id, snapshot.role) == (-1, None, "demo", "unreliable")
+    assert snapshot.services == ServiceCounters() and snapshot.uptime_s >= 0.0
+    assert set(local_status(snapshot)) == STATUS_KEYS
+
+
+def test_a_real_peer_snapshot_follows_its_stage_and_state():
+    peer = make_peer()
     spec = RunSpec(run_id="demo")
-    stage = Stage(spec, 1, device=torch.device("cpu"))
+    peer.spec, peer.stage, peer.flops = spec, Stage(spec, 1, device=torch.device("cpu")), 2.5e9
     try:
-        peer = make_peer(stage=stage, spec=spec, state="training")
-        stage.counters.add_samples(16, now=100.0)
-        stage.counters.last_loss = 2.5
-        peer.history.record(sample(1000.0, 0, sent=0))
-        peer.history.record(sample(1002.0, 64, sent=4000))
-        status = local_status(peer)
-        assert (status["stage"], status["num_stages"], status["state"]) == (1, 2, "training")
-        assert status["samples_per_s"] == 32.0 and status["tokens_per_s"] == 32.0 * spec.model.seq_len
-        assert status["microbatches_per_s"] == 2.0 and status["bytes_sent_per_s"] == 2000.0
-        assert status["loss"] == 2.5 and status["num_samples"] == 16 and status["num_microbatches"] == 1
-        json.dumps(status, allow_nan=False)
+        peer.stage.counters.add_samples(16, now=100.0)
+        peer.stage.counters.last_loss = 2.5
+        peer._set_state(PeerState.TRAINING)  # a change of state publishes at once
+        snapshot = peer.snapshot
+        assert (snapshot.state, snapshot.stage, snapshot.num_stages) == (PeerState.TRAINING, 1, 2)
+        assert snapshot.activity == "training stage 1"
+        assert (snapshot.num_samples, snapshot.num_microbatches, snapshot.loss, snapshot.flops) == (16, 1, 2.5, 2.5e9)
+        peer._set_state(PeerState.PAUSED)
+        assert peer.snapshot.state is PeerState.PAUSED and peer.is_paused() and peer.is_working()
+        assert not peer.is_training()
     finally:
-        stage.shutdown()
+        peer.stage.shutdown()
 
 
 def test_rates_cover_the_recent_window_only():
@@ -108,7 +153,23 @@ def test_sync_progress_counts_bytes_received_since_it_began_and_estimates_the_et
     assert progress.as_dict()["finished"] is True and progress.as_dict()["received_bytes"] == 10_250
 
 
-def test_sample_peer_before_a_stage_is_all_zero():
-    got = sample_peer(make_peer(), now=5.0)
+def test_a_sample_of_a_joining_peer_is_all_zero():
+    got = sample_of(make_snapshot(time=5.0))
     assert (got.t, got.num_samples, got.num_microbatches, got.bytes_sent) == (5.0, 0, 0, 1000)
     assert math.isnan(got.loss)
+
+
+def test_a_training_peer_whose_pipeline_lacks_a_stage_says_it_waits():
+    peer = make_peer()
+    spec = RunSpec(run_id="demo")
+    peer.spec, peer.stage = spec, Stage(spec, 1, device=torch.device("cpu"))
+    peer.view = SwarmView(None, "demo")
+    peer.view.records = [PeerRecord(peer_id="QmSelf", role="reliable", state="training", stage=1, flops=1e9)]
+    try:
+        peer._set_state(PeerState.TRAINING)
+        assert peer.snapshot.activity == "waiting: stage 0 has no holder"
+        peer.view.records.append(PeerRecord(peer_id="QmOther", role="reliable", state="training", stage=0, flops=1e9))
+        peer._set_state(PeerState.TRAINING)
+        assert peer.snapshot.activity == "training stage 1"
+    finally:
+        peer.stage.shutdown()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from dht.wire import MAX_HEADER_BYTES
-from peer import status_client, status_server
-from peer.status_client import PeerReport, StatusError, _find_status_error, _reason, format_report
+from peer.status import client as status_client, protocol as status_server
+from peer.status.client import PeerReport, StatusError, _find_status_error, _reason, format_report
 
 
 def test_client_and_server_agree_on_protocol_and_limit():

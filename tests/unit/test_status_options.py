@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from peer.config import BootstrapConfig, PeerConfig
-from peer.status_service import quiet_console_logs, terminal_for
+from peer.status.service import quiet_console_logs, terminal_for
 
 BOOT = ("/ip4/127.0.0.1/tcp/31337/p2p/QmBoot",)
 

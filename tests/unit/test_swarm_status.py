@@ -1,4 +1,4 @@
-"""peer.swarm_status: the stage map, the bottleneck, peer rows and the /status.json document."""
+"""peer.status.swarm: the stage map, the bottleneck, peer rows and the /status.json document."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import math
 
 from dht.records import PeerRecord
-from peer.swarm_status import SwarmHistory, peer_rows, stage_map, swarm_status, swarm_totals
+from peer.status.swarm import SwarmHistory, peer_rows, stage_map, swarm_status, swarm_totals
 
 SEQ_LEN = 64
 

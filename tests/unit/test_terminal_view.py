@@ -1,11 +1,11 @@
-"""peer.terminal_view: what a volunteer reads in the terminal."""
+"""peer.status.terminal: what a volunteer reads in the terminal."""
 
 from __future__ import annotations
 
 import io
 
-from peer.swarm_status import SwarmHistory, swarm_status
-from peer.terminal_view import (TerminalView, format_bytes, format_duration, loss_trend, progress_bar,
+from peer.status.swarm import SwarmHistory, swarm_status
+from peer.status.terminal import (TerminalView, format_bytes, format_duration, loss_trend, progress_bar,
                                 render_terminal_view, sparkline)
 from tests.unit.test_swarm_status import record
 
@@ -83,3 +83,9 @@ def test_small_formatters():
     assert format_bytes(999) == "999 B" and format_bytes(1_500_000_000) == "1.5 GB"
     assert loss_trend([{"t": 0, "loss": 5.0}]) is None
     assert loss_trend([{"t": 0, "loss": 5.0}, {"t": 30, "loss": None}, {"t": 90, "loss": 4.0}]) == -1.0
+
+
+def test_the_title_says_what_the_peer_does_when_it_knows():
+    waiting = {**LOCAL, "activity": "waiting: stage 0 has no holder"}
+    text = render_terminal_view(make_doc(local=waiting))
+    assert "stage 1 of 2 · waiting: stage 0 has no holder · v0.1.0" in text

@@ -1,8 +1,8 @@
 """Prometheus metrics of a peer (or a bootstrap) on ``/metrics``, through ``prometheus_client``.
 
-The collectors read the live objects at scrape time, so no number is kept twice and nothing can
-drift: a scrape is :func:`peer.status.local_status` plus the counters of the stage server, router,
-trainer and averager, plus the swarm's stage map from the DHT records. Each peer gets its own
+A scrape reads the peer's newest snapshot (:mod:`peer.status.snapshot`, at most about a second old):
+:func:`peer.status.local.local_status` plus the counters of its stage's services, plus the swarm's
+stage map from the DHT records. Each peer gets its own
 ``CollectorRegistry``, never the process-global one, so several peers in one process (tests) do not
 clash.
 
@@ -26,9 +26,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from dht.records import PEER_STATES
 from dht.rpc import REQUEST_OUTCOMES
-from peer.status import local_status
+from peer.status.local import StatusHistory, local_status
+from peer.status.snapshot import PeerSnapshot, PeerState, ServiceCounters
 from swarm.spot_check import OUTCOMES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,23 +43,32 @@ def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
 
 
 class PeerCollector(Collector):
-    """The peer's own figures: throughput, queues, traffic, averaging, failures, bans."""
+    """The peer's own figures: throughput, queues, traffic, averaging, failures, bans.
 
-    def __init__(self, peer: Any) -> None:
-        self.peer = peer
+    Args:
+        snapshot: the peer's newest :class:`PeerSnapshot`.
+        history: its recent counters (the rates), or None.
+    """
+
+    def __init__(self, snapshot: Callable[[], PeerSnapshot], history: Callable[[], StatusHistory | None] = lambda: None) -> None:
+        self.snapshot = snapshot
+        self.history = history
 
     def collect(self) -> Iterator[Metric]:
-        status = local_status(self.peer)
+        snapshot = self.snapshot()
+        status = local_status(snapshot, self.history())
         yield InfoMetricFamily("murmuration_peer", "who this peer is", value={
             "peer_id": status["peer_id"] or "", "run_id": status["run_id"], "role": status["role"],
             "software_version": status["software_version"]})
         yield StateSetMetricFamily("murmuration_peer_state", "the peer's lifecycle state",
-                                   value={state: state == status["state"] for state in PEER_STATES})
+                                   value={state.value: state is snapshot.state for state in PeerState})
         yield _gauge("murmuration_stage", "stage this peer serves (-1 while joining)", status["stage"])
         yield _gauge("murmuration_tokens_per_second", "tokens/s this peer processed, recent window", status["tokens_per_s"])
         yield _gauge("murmuration_samples_per_second", "samples/s, recent window", status["samples_per_s"])
         yield _gauge("murmuration_microbatches_per_second", "microbatches/s, recent window", status["microbatches_per_s"])
         yield _gauge("murmuration_loss", "most recent loss, nats/token (NaN before any)", status["loss"])
+        yield _gauge("murmuration_val_loss", "most recent held-out loss, nats/token (NaN before any; stage 0)",
+                     status["val_loss"])
         yield _gauge("murmuration_uptime_seconds", "seconds since the peer started", status["uptime_s"])
         yield _gauge("murmuration_flops", "measured compute, FLOP/s", status["flops"])
         yield _counter("murmuration_optimizer_steps", "optimizer steps of this stage replica", status["step"])
@@ -67,57 +76,42 @@ class PeerCollector(Collector):
         yield _counter("murmuration_microbatches", "microbatches this peer processed", status["num_microbatches"])
         yield _counter("murmuration_sent_bytes", "bytes of pipeline and state messages sent", status["bytes_sent"])
         yield _counter("murmuration_received_bytes", "bytes of pipeline and state messages received", status["bytes_received"])
-        yield from self._queues()
-        yield from self._averaging()
-        yield from self._failures()
+        yield from _services(snapshot.services)
         yield _requests()
-        reputation = getattr(self.peer, "reputation", None)
-        yield _counter("murmuration_bans", "peers this peer has banned for misbehaviour (dht/reputation.py)",
-                       reputation.num_bans if reputation is not None else 0)
+        yield _counter("murmuration_bans", "peers this peer has banned for misbehaviour (dht/reputation.py)", snapshot.bans)
         yield _counter("murmuration_strikes", "misbehaviours of other peers this peer has counted (dht/reputation.py)",
-                       reputation.num_strikes if reputation is not None else 0)
-        yield self._spot_checks()
+                       snapshot.strikes)
 
-    def _spot_checks(self) -> CounterMetricFamily:
-        router = getattr(self.peer, "router", None) or getattr(getattr(self.peer, "server", None), "router", None)
-        checker = getattr(router, "spot_checker", None)
-        family = CounterMetricFamily("murmuration_spot_checks", "spot checks of the next stage's answers, by outcome: "
-                                     "match, mismatch (a strike against the replicas), skipped (no comparable "
-                                     "second answer) (swarm/spot_check.py)", labels=["outcome"])
-        for outcome in OUTCOMES:
-            family.add_metric([outcome], float(checker.num_checks[outcome] if checker is not None else 0))
-        return family
 
-    def _queues(self) -> Iterator[Metric]:
-        stage, server, router = (getattr(self.peer, name, None) for name in ("stage", "server", "router"))
-        router = router or getattr(server, "router", None)
-        yield _gauge("murmuration_held_graphs", "microbatches whose forward ran here and await their backward",
-                     stage.num_held_graphs if stage is not None else 0)
-        yield _gauge("murmuration_requests_in_progress", "forward requests this peer is serving now",
-                     len(getattr(server, "_active", ())) if server is not None else 0)
-        yield _gauge("murmuration_in_flight_to_next_stage", "microbatches sent to the next stage, not yet answered",
-                     sum(router.in_flight.values()) if router is not None else 0)
-
-    def _averaging(self) -> Iterator[Metric]:
-        averager = getattr(self.peer, "averager", None)
-        yield _counter("murmuration_averaging_rounds", "in-stage averaging rounds completed",
-                       averager.num_rounds if averager is not None else 0)
-        yield _counter("murmuration_averaging_failures", "in-stage averaging rounds that failed",
-                       averager.num_failed_rounds if averager is not None else 0)
-
-    def _failures(self) -> Iterator[Metric]:
-        server, trainer = getattr(self.peer, "server", None), getattr(self.peer, "trainer", None)
-        router = getattr(server, "router", None)
-        family = CounterMetricFamily("murmuration_failures", "failures by kind: route (a send to the next stage "
-                                     "failed), unrouted (no peer took a microbatch), refused (bad requests received)",
-                                     labels=["kind"])
-        family.add_metric(["route"], float(router.num_failures if router is not None else 0))
-        family.add_metric(["unrouted"], float(trainer.num_unrouted if trainer is not None else 0))
-        refused = sum(getattr(service, "num_refused", 0) for service in
-                      (server, getattr(self.peer, "notices", None), getattr(self.peer, "replication", None))
-                      if service is not None)
-        family.add_metric(["refused"], float(refused))
-        yield family
+def _services(counters: ServiceCounters) -> Iterator[Metric]:
+    yield _gauge("murmuration_held_graphs", "microbatches whose forward ran here and await their backward",
+                 counters.held_graphs)
+    yield _gauge("murmuration_requests_in_progress", "forward requests this peer is serving now",
+                 counters.requests_in_progress)
+    yield _gauge("murmuration_in_flight_to_next_stage", "microbatches sent to the next stage, not yet answered",
+                 counters.in_flight_to_next_stage)
+    yield _counter("murmuration_averaging_rounds", "in-stage averaging rounds completed", counters.averaging_rounds)
+    yield _counter("murmuration_averaging_failures", "in-stage averaging rounds that failed", counters.averaging_failures)
+    failures = CounterMetricFamily("murmuration_failures", "failures by kind: route (a send to the next stage "
+                                   "failed), unrouted (no peer took a microbatch), refused (bad requests received)",
+                                   labels=["kind"])
+    failures.add_metric(["route"], float(counters.route_failures))
+    failures.add_metric(["unrouted"], float(counters.unrouted))
+    failures.add_metric(["refused"], float(counters.refused))
+    yield failures
+    checks = CounterMetricFamily("murmuration_spot_checks", "spot checks of the next stage's answers, by outcome: "
+                                 "match, mismatch (a strike against the replicas), skipped (no comparable "
+                                 "second answer) (swarm/spot_check.py)", labels=["outcome"])
+    for outcome in OUTCOMES:
+        checks.add_metric([outcome], float(counters.spot_checks.get(outcome, 0)))
+    yield checks
+    exchanges = CounterMetricFamily("murmuration_gradient_exchanges", "gradient exchanges with the stage's co-replicas "
+                                    "(swarm/gradient_sync.py), by outcome: whole, partial (a co-replica missing), "
+                                    "alone (stepped without any)", labels=["outcome"])
+    exchanges.add_metric(["whole"], float(counters.exchanges - counters.exchanges_partial - counters.exchanges_alone))
+    exchanges.add_metric(["partial"], float(counters.exchanges_partial))
+    exchanges.add_metric(["alone"], float(counters.exchanges_alone))
+    yield exchanges
 
 
 def _requests() -> CounterMetricFamily:

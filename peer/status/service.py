@@ -3,9 +3,8 @@ terminal view, for a peer or for the bootstrap.
 
 :class:`StatusService` samples the swarm every ``sample_period`` seconds into a short history (the
 plots), serves the status port if asked, and redraws the terminal view if asked. It reads the swarm
-through a :class:`StatusSource`, so the same service runs inside a :class:`peer.lifecycle.Peer` (its
-own view of the swarm and its own status) and inside the bootstrap (a view of its own, no local
-status).
+through a :class:`StatusSource`, so the same service runs inside a peer (its own view of the swarm
+and its own snapshot) and inside the bootstrap (a view of its own, no local status).
 """
 
 from __future__ import annotations
@@ -22,13 +21,13 @@ from typing import Any
 
 from dht.records import PeerRecord, RunSpec
 from peer.errors import UserError
-from peer.health_page import render_health_page
-from peer.http_status import Response, StatusHTTPServer
-from peer.prometheus_metrics import CONTENT_TYPE, HTTPCollector, PeerCollector, SwarmCollector, make_registry, render_metrics
-from peer.relayout import newest_layout_records
-from peer.status import local_status
-from peer.swarm_status import SwarmHistory, swarm_status
-from peer.terminal_view import TerminalView
+from peer.status.page import render_health_page
+from peer.status.http import Response, StatusHTTPServer
+from peer.status.prometheus import CONTENT_TYPE, HTTPCollector, PeerCollector, SwarmCollector, make_registry, render_metrics
+from peer.status.local import StatusHistory, local_status
+from peer.status.snapshot import PeerSnapshot
+from peer.status.swarm import SwarmHistory, swarm_status
+from peer.status.terminal import TerminalView
 from swarm.model import stage_flops_per_sample
 from swarm.view import SwarmView
 
@@ -44,23 +43,21 @@ class StatusSource:
         run_id: the run shown.
         spec: the run spec, or None until it is known (a peer still joining).
         records: the live peer records (the caller's swarm view).
-        local: this peer's :func:`peer.status.local_status`, or None on a bootstrap.
-        peer: the peer object for its Prometheus collector, or None on a bootstrap.
+        snapshot: this peer's newest :class:`PeerSnapshot`, or None on a bootstrap.
+        history: this peer's recent counters (its rates), or None.
         owned_view: a swarm view the service starts and shuts down with itself (the bootstrap's).
     """
 
     run_id: str
     spec: Callable[[], RunSpec | None]
     records: Callable[[], list[PeerRecord]]
-    local: Callable[[], dict[str, Any]] | None = None
-    peer: Any = None
+    snapshot: Callable[[], PeerSnapshot] | None = None
+    history: Callable[[], StatusHistory | None] = lambda: None
     owned_view: SwarmView | None = None
 
-
-def peer_source(peer: Any) -> StatusSource:
-    return StatusSource(run_id=peer.config.run_id, spec=lambda: peer.spec,
-                        records=lambda: list(peer.view.records) if peer.view is not None else [],
-                        local=lambda: local_status(peer), peer=peer)
+    def local(self) -> dict[str, Any] | None:
+        """This peer's :func:`peer.status.local.local_status`, or None on a bootstrap."""
+        return local_status(self.snapshot(), self.history()) if self.snapshot is not None else None
 
 
 class StatusService:
@@ -93,7 +90,7 @@ class StatusService:
         return swarm_status(
             run_id=self.source.run_id, records=self.source.records(), stage_flops=stage_flops,
             seq_len=spec.model.seq_len if spec is not None else 0, history=self.history,
-            local=self.source.local() if self.source.local is not None else None, now=time.time())
+            local=self.source.local(), now=time.time())
 
     async def start(self) -> None:
         if not self.port and self.terminal is None:
@@ -134,8 +131,8 @@ class StatusService:
 
     def _routes(self, server: StatusHTTPServer) -> dict[str, Callable[[], Any]]:
         collectors = [SwarmCollector(self._swarm_only), HTTPCollector(server)]
-        if self.source.peer is not None:
-            collectors.insert(0, PeerCollector(self.source.peer))
+        if self.source.snapshot is not None:
+            collectors.insert(0, PeerCollector(self.source.snapshot, self.source.history))
         registry = make_registry(*collectors)
 
         async def page() -> Response:
@@ -188,26 +185,14 @@ def terminal_for(mode: str, *, quiet: bool, stream: Any = None) -> TerminalView 
     return TerminalView(stream)
 
 
-def open_peer_status(peer: Any) -> StatusService:
-    """The status service of a peer, as its config asks (``--status-port``, ``--terminal-view``, ``--quiet``)."""
-    config = peer.config
-    terminal = terminal_for(config.terminal_view, quiet=config.quiet)
-    if terminal is not None and terminal.is_tty and not config.verbose:
+def open_status(source: StatusSource, *, host: str, port: int, terminal_view: str, quiet: bool = False,
+                verbose: bool = False, view_period: float = 5.0) -> StatusService:
+    """The status service of a peer or a bootstrap, as its options ask (``--status-host``,
+    ``--status-port``, ``--terminal-view``, ``--quiet``, ``--verbose``)."""
+    terminal = terminal_for(terminal_view, quiet=quiet)
+    if terminal is not None and terminal.is_tty and not verbose:
         quiet_console_logs()  # the view redraws the screen; INFO lines would scroll it away
-    return StatusService(peer_source(peer), host=config.status_host, port=config.status_port,
-                         terminal=terminal, view_period=config.status_period)
-
-
-def open_bootstrap_status(node: Any) -> StatusService:
-    """The bootstrap's status service: the health page and metrics of the whole swarm on
-    ``--status-port``, from a swarm view of its own (nothing at all with port 0)."""
-    config = node.config
-    view = SwarmView(node.dht, config.run_id) if config.status_port else None
-    # after a layer-wise re-plan, the stages and peers of the layout the swarm trains under (peer.relayout)
-    source = StatusSource(run_id=config.run_id, spec=lambda: newest_layout_records(view, node.spec)[0] if view else node.spec,
-                          records=lambda: newest_layout_records(view, node.spec)[1] if view is not None else [],
-                          owned_view=view)
-    return StatusService(source, host=config.status_host, port=config.status_port)
+    return StatusService(source, host=host, port=port, terminal=terminal, view_period=view_period)
 
 
 def quiet_console_logs() -> None:

@@ -106,7 +106,7 @@ def swarm_status(
 ) -> dict[str, Any]:
     """The ``/status.json`` document: what the health page draws and the terminal view prints.
 
-    Keys: run_id, time, num_stages, local (the serving peer's :func:`peer.status.local_status`, or
+    Keys: run_id, time, num_stages, local (the serving peer's :func:`peer.status.local.local_status`, or
     None on a bootstrap), totals (:func:`swarm_totals`), stages and bottleneck (:func:`stage_map`),
     peers (:func:`peer_rows`), history (:meth:`SwarmHistory.points`).
     """

@@ -1,6 +1,6 @@
 """The README's first command: a real local swarm that trains the default model, with live progress.
 
-    python -m peer.demo [--num-peers 4] [--duration 150]
+    python -m peer.harness.demo [--num-peers 4] [--duration 150]
 
 Starts run_bootstrap.py and N run_peer.py processes on 127.0.0.1 (they find each other through the
 DHT and negotiate their stages themselves), prints the swarm's loss, tokens/s and peers per stage
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from peer.local_swarm import LocalSwarm, wait_for
+from peer.harness.local_swarm import LocalSwarm, wait_for
 
 LOSS_WINDOW = 20  # microbatches averaged for the initial and the final loss
 

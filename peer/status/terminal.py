@@ -1,7 +1,7 @@
 """The terminal view of a running peer: plain text (ANSI colours optional), redrawn in place.
 
 :func:`render_terminal_view` is pure: it turns the ``/status.json`` document
-(:func:`peer.swarm_status.swarm_status`) into lines. :class:`TerminalView` prints it every period;
+(:func:`peer.status.swarm.swarm_status`) into lines. :class:`TerminalView` prints it every period;
 on a terminal it redraws the screen in place, elsewhere (a file, a pipe) it appends one block per
 period, so a service's log stays readable.
 """
@@ -92,7 +92,7 @@ def _title_line(doc: dict[str, Any], local: dict[str, Any], paint: Any) -> str:
     where = f"stage {stage} of {doc['num_stages']}" if stage >= 0 else "no stage yet"
     peer_id = local.get("peer_id") or "…"
     return paint(_BOLD, f"Murmuration · run {doc['run_id']} · peer …{peer_id[-6:]} · {local.get('role')} · {where} · "
-                        f"{local.get('state')} · v{local.get('software_version')}")
+                        f"{local.get('activity') or local.get('state')} · v{local.get('software_version')}")
 
 
 def _contribution_line(local: dict[str, Any]) -> str:

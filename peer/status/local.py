@@ -1,9 +1,8 @@
 """A peer's own status as plain JSON-able data.
 
-One function, :func:`local_status`, is what every window onto a running peer reads: the health page
-and ``/status.json``, the Prometheus collector, the terminal view and the py-libp2p status protocol.
-It only reads the peer's attributes (no I/O, no awaits), so it is safe to call from any coroutine
-of the peer's event loop at any moment of its life, joining to leaving.
+One function, :func:`local_status`, turns the peer's newest :class:`~peer.status.snapshot.PeerSnapshot`
+into what every window onto a running peer shows: the health page and ``/status.json``, the
+Prometheus collector, the terminal view and the py-libp2p status protocol.
 
 Rates are over a recent window (:class:`StatusHistory`, sampled about once a second by the peer),
 not since start, so a peer that stalls shows it within seconds.
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peer.status.snapshot import PeerSnapshot
+
 RATE_WINDOW = 10.0  # seconds of samples the recent rates are computed over
 MAX_HISTORY_POINTS = 720  # one point per sample period: an hour at 5 s
 
@@ -31,7 +32,7 @@ def _software_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         pass
     try:
-        with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
             return str(tomllib.load(f)["project"]["version"])
     except (OSError, KeyError, tomllib.TOMLDecodeError):
         return "unknown"
@@ -148,67 +149,57 @@ class SyncProgress:
                 "received_bytes": self.received_bytes}
 
 
-def sample_peer(peer: Any, *, now: float | None = None) -> StatusSample:
-    """The peer's cumulative counters now (zeros before it holds a stage)."""
-    counters = peer.stage.counters if getattr(peer, "stage", None) is not None else None
-    traffic = getattr(peer, "traffic", None)
-    return StatusSample(
-        t=time.time() if now is None else now,
-        num_samples=counters.num_samples if counters else 0,
-        num_microbatches=counters.num_microbatches if counters else 0,
-        loss=counters.last_loss if counters else math.nan,
-        bytes_sent=traffic.bytes_sent if traffic is not None else 0,
-        bytes_received=traffic.bytes_received if traffic is not None else 0,
-    )
+def sample_of(snapshot: PeerSnapshot) -> StatusSample:
+    """The cumulative counters of ``snapshot`` (zeros before the peer holds a stage)."""
+    return StatusSample(t=snapshot.time, num_samples=snapshot.num_samples, num_microbatches=snapshot.num_microbatches,
+                        loss=snapshot.loss, bytes_sent=snapshot.bytes_sent or 0, bytes_received=snapshot.bytes_received or 0)
 
 
-def local_status(peer: Any) -> dict[str, Any]:
-    """The peer's own status, JSON-able (NaN and unknowns are ``None``).
+def local_status(snapshot: PeerSnapshot, history: StatusHistory | None = None) -> dict[str, Any]:
+    """The peer's own status, JSON-able (NaN and unknowns are ``None``): ``snapshot`` with the recent
+    rates of ``history``.
 
     Keys (stable; new ones may be added, none removed or renamed):
         peer_id, run_id, role ("reliable"/"unreliable"), client_mode (bool), stage (-1 before one is
         chosen), num_stages (None before the spec is known), state ("joining"/"syncing"/"training"/
-        "paused"/"leaving"), software_version, step (optimizer steps of its stage replica),
+        "paused"/"leaving"), activity (what it does now, in words: "training stage 1", "waiting: stage
+        1 has no holder", ...), software_version, step (optimizer steps of its stage replica),
         tokens_per_s, samples_per_s, microbatches_per_s, bytes_sent_per_s, bytes_received_per_s
-        (recent window), loss (most recent, None if none yet), bytes_sent, bytes_received (payload
-        bytes of its pipeline and state traffic, None if not counted), uptime_s, num_samples
-        (samples it has contributed), num_microbatches, flops (measured FLOP/s), time (unix seconds
-        of this status), sync (state download progress: ``{"done_bytes", "total_bytes",
-        "started_at", "eta_s", "finished", "received_bytes"}``, or None if it downloaded nothing).
+        (recent window), loss (most recent, None if none yet), val_loss (most recent held-out loss,
+        None if none), bytes_sent, bytes_received (payload bytes of its pipeline and state traffic,
+        None if not counted), uptime_s, num_samples (samples it has contributed), num_microbatches,
+        flops (measured FLOP/s), time (unix seconds of this status), sync (state download progress:
+        ``{"done_bytes", "total_bytes", "started_at", "eta_s", "finished", "received_bytes"}``, or None
+        if it downloaded nothing), checkpoint (the last checkpoint write's progress, or None).
     """
-    stage = getattr(peer, "stage", None)
-    spec = getattr(peer, "spec", None)
-    history: StatusHistory | None = getattr(peer, "history", None)
-    now_sample = sample_peer(peer)
     rates = history.rates() if history is not None else {}
-    traffic = getattr(peer, "traffic", None)
-    started_at = getattr(peer, "started_at", None)
     return {
-        "peer_id": peer.peer_id or None,
-        "run_id": peer.config.run_id,
-        "role": peer.role,
-        "client_mode": bool(peer.config.client_mode),
-        "stage": stage.index if stage is not None else -1,
-        "num_stages": spec.num_stages if spec is not None else None,
-        "state": peer.state,
+        "peer_id": snapshot.peer_id or None,
+        "run_id": snapshot.run_id,
+        "role": snapshot.role,
+        "client_mode": snapshot.client_mode,
+        "stage": snapshot.stage,
+        "num_stages": snapshot.num_stages,
+        "state": snapshot.state.value,
+        "activity": snapshot.activity,
         "software_version": SOFTWARE_VERSION,
-        "step": stage.version if stage is not None else 0,
+        "step": snapshot.step,
         "tokens_per_s": round(rates.get("tokens_per_s", 0.0), 1),
         "samples_per_s": round(rates.get("samples_per_s", 0.0), 3),
         "microbatches_per_s": round(rates.get("microbatches_per_s", 0.0), 3),
         "bytes_sent_per_s": round(rates.get("bytes_sent_per_s", 0.0), 1),
         "bytes_received_per_s": round(rates.get("bytes_received_per_s", 0.0), 1),
-        "loss": _finite_or_none(now_sample.loss),
-        "bytes_sent": traffic.bytes_sent if traffic is not None else None,
-        "bytes_received": traffic.bytes_received if traffic is not None else None,
-        "uptime_s": round(time.monotonic() - started_at, 3) if started_at is not None else None,
-        "num_samples": now_sample.num_samples,
-        "num_microbatches": now_sample.num_microbatches,
-        "flops": float(getattr(peer, "flops", 0.0)),
-        "time": round(now_sample.t, 3),
-        "sync": peer.sync_progress.as_dict() if getattr(peer, "sync_progress", None) is not None else None,
-        "checkpoint": (peer.checkpoint_progress.as_dict() if getattr(peer, "checkpoint_progress", None) is not None
-                       else None),
+        "loss": _finite_or_none(snapshot.loss),
+        "val_loss": _finite_or_none(snapshot.val_loss),
+        "bytes_sent": snapshot.bytes_sent,
+        "bytes_received": snapshot.bytes_received,
+        "uptime_s": round(snapshot.uptime_s, 3) if snapshot.uptime_s is not None else None,
+        "num_samples": snapshot.num_samples,
+        "num_microbatches": snapshot.num_microbatches,
+        "flops": float(snapshot.flops),
+        "time": round(snapshot.time, 3),
+        "sync": dict(snapshot.sync) if snapshot.sync is not None else None,
+        "checkpoint": dict(snapshot.checkpoint) if snapshot.checkpoint is not None else None,
     }
 
 
@@ -217,10 +208,3 @@ def _finite_or_none(value: float | None) -> float | None:
         return None
     return float(value)
 
-
-if __name__ == "__main__":  # python -m peer.status <multiaddr>: the py-libp2p client (peer/status_client.py)
-    import sys
-
-    from peer.status_client import main
-
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``python -m peer.report <metrics.jsonl ...> --out DIR``: plots of a peer's or a swarm's event logs.
+"""``python -m peer.status.report <metrics.jsonl ...> --out DIR``: plots of a peer's or a swarm's event logs.
 
 Reads the JSON lines that peers write with ``--metrics-file`` (:mod:`peer.metrics`), one file per
 peer, and draws three PNGs into ``DIR``:
@@ -197,7 +197,7 @@ def _is_number(value: Any) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m peer.report", description=(
+    parser = argparse.ArgumentParser(prog="python -m peer.status.report", description=(
         "Turn peers' event logs (run_peer.py --metrics-file) into PNG plots: loss, throughput, stage balance."))
     parser.add_argument("logs", nargs="+", help="metrics files, one per peer")
     parser.add_argument("--out", required=True, help="folder to write the PNGs into (created if missing)")

@@ -4,7 +4,7 @@ The client is py-libp2p (trio, noise, yamux), an implementation independent of t
 hivemind runs; that it can talk to a peer at all is the proof that our wire protocol is standard
 libp2p. It dials the address, runs the two standard protocols every libp2p host speaks, identify
 (``/ipfs/id/1.0.0``: agent, protocols, addresses) and ping (``/ipfs/ping/1.0.0``: round-trip time),
-then opens the project's own ``/murmuration/status/1.0.0`` (served by :mod:`peer.status_server`;
+then opens the project's own ``/murmuration/status/1.0.0`` (served by :mod:`peer.status.protocol`;
 its frame: uint32 big-endian length + msgpack map) and prints the peer's status.
 
 py-libp2p cannot share an interpreter with hivemind (both register the protobuf package
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LIBP2P_PYTHON_ENV = "MURMURATION_LIBP2P_PYTHON"
-STATUS_PROTOCOL = "/murmuration/status/1.0.0"  # as in peer.status_server (which imports hivemind)
+STATUS_PROTOCOL = "/murmuration/status/1.0.0"  # as in peer.status.protocol (which imports hivemind)
 IDENTIFY_PROTOCOL = "/ipfs/id/1.0.0"
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 MAX_REPLY_BYTES = 64 * 1024  # dht.wire's header limit: the server cannot send more
@@ -103,7 +103,7 @@ def _reexec_in_libp2p_env_if_needed(argv: list[str]) -> None:
               f"or point {LIBP2P_PYTHON_ENV} at a Python that has the libp2p package.", file=sys.stderr, flush=True)
         raise SystemExit(2)
     env = {**os.environ, _REEXECUTED: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    os.execve(python, [python, "-m", "peer.status_client", *argv], env)
+    os.execve(python, [python, "-m", "peer.status.client", *argv], env)
 
 
 async def query_peer(address: str, timeout: float) -> PeerReport:

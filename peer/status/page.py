@@ -23,7 +23,7 @@ def embed_json(doc: Any) -> str:
 
 
 def render_health_page(doc: dict[str, Any]) -> str:
-    """The HTML page for the ``/status.json`` document ``doc`` (see :func:`peer.swarm_status.swarm_status`)."""
+    """The HTML page for the ``/status.json`` document ``doc`` (see :func:`peer.status.swarm.swarm_status`)."""
     return (_PAGE.replace("__DATA__", embed_json(doc))
             .replace("__REFRESH_MS__", str(int(REFRESH_PERIOD * 1000))))
 
@@ -201,7 +201,7 @@ function renderLegend(numStages) {
 
 function render(doc) {
   const local = doc.local;
-  const who = local ? "served by peer " + shortId(local.peer_id) + " (stage " + local.stage + ", " + local.state + ")" : "served by the bootstrap";
+  const who = local ? "served by peer " + shortId(local.peer_id) + " (" + (local.activity || "stage " + local.stage + ", " + local.state) + ")" : "served by the bootstrap";
   document.getElementById("subtitle").textContent = "run " + doc.run_id + " · " + doc.num_stages + " stages · " + who +
     " · updated " + new Date(doc.time * 1000).toLocaleTimeString();
   renderCards(doc);

@@ -1,0 +1,169 @@
+"""Where a stage's state comes from, in one place: :meth:`StateLoader.load` tries ``SOURCES`` in order.
+
+1. ``holders``: the stage's live holders (a joiner, a mover, a rescuer whose stage came back): pulled
+   in shards from several of them at once (``peer.join.pull_stage_state``), their agreement checked.
+2. ``local-backup``: the backup of the stage this peer keeps itself (``peer.backup.BackupKeeper``).
+3. ``backup-donor``: the newest backup other peers advertise, pulled from them.
+4. ``checkpoint``: ``--checkpoint-dir``'s checkpoint of the stage (a swarm that stopped and restarts).
+5. ``seed``: the run seed's initial state, which the stage already holds: the stage's first peer.
+
+A source that has nothing returns False and the next one is asked; a source that has the state but
+fails to deliver it raises (a joiner must not silently start from the seed while holders train).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from dht.records import PeerRecord, RunSpec
+from dht.reputation import Reputation
+from peer.backup import BackupKeeper, advertised_copies, state_digest
+from peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from peer.config import PeerConfig
+from peer.errors import UserError
+from peer.join import pull_stage_state, stage_state_bytes
+from peer.metrics import MetricsLog
+from peer.status.local import SyncProgress
+from replication.pull_report import DisagreementError
+from replication.transfer import PullResult, TransferError
+from swarm.stage import Stage
+from swarm.view import SwarmView
+
+logger = logging.getLogger(__name__)
+SOURCES = ("holders", "local-backup", "backup-donor", "checkpoint", "seed")
+DISAGREEMENT_PATIENCE = 60.0  # seconds a joiner retries holders that serve different states
+DISAGREEMENT_RETRY = 2.0
+
+
+class StateLoader:
+    """Loads a stage's state into a new :class:`Stage` from the first source that has it.
+
+    Args:
+        p2p, view: the peer's libp2p handle and swarm view.
+        peer_id: this peer's.
+        config: the peer's config (transfer settings, ``--checkpoint-dir``).
+        keeper: the backup keeper (a backup this peer keeps), or None.
+        metrics: the event log (``state_download``, ``backup_restored``, ``checkpoint_loaded``).
+        reputation: strikes for donors that serve bad shards, or None.
+        traffic: the peer's byte counters (the download's progress bar).
+        clock: monotonic seconds (the disagreement patience, the restore time).
+    """
+
+    def __init__(self, p2p, view: SwarmView, *, peer_id: str, config: PeerConfig, keeper: BackupKeeper | None,
+                 metrics: MetricsLog, reputation: Reputation | None, traffic,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.p2p, self.view, self.peer_id, self.config = p2p, view, peer_id, config
+        self.keeper, self.metrics, self.reputation, self.traffic = keeper, metrics, reputation, traffic
+        self.clock = clock
+        self.progress: SyncProgress | None = None  # the last (or current) download's
+
+    async def load(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord] = ()) -> str:
+        """Load ``stage``'s state; returns the source it came from (one of ``SOURCES``). ``seen``:
+        records of the stage's holders this peer saw moments ago (the join's snapshot)."""
+        sources = ((self._from_holders, "holders"), (self._from_local_backup, "local-backup"),
+                   (self._from_backup_donors, "backup-donor"), (self._from_checkpoint, "checkpoint"))
+        await self.view.refresh()
+        for source, name in sources:
+            if await source(stage, spec, seen):
+                return name
+        logger.info(f"first peer of stage {stage.index}: initialised from the run seed {spec.seed}")
+        return "seed"
+
+    async def _from_holders(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord]) -> bool:
+        """The holders are this view's, plus those of ``seen`` that it lacks and nobody said left: a
+        heartbeat late on a busy machine lets a live holder's record lapse for a moment (CI: a
+        joiner pulled from one of two live holders). A holder that is really gone fails its probe."""
+        holders = [r for r in self.view.members(stage.index) if r.peer_id != self.peer_id]
+        listed = {r.peer_id for r in holders} | {self.peer_id}
+        holders += [r for r in seen if r.stage == stage.index and r.state == "training"
+                    and r.peer_id not in listed and not self.view.is_gone(r.peer_id)]
+        if not holders:
+            return False
+        self.progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
+        deadline = self.clock() + DISAGREEMENT_PATIENCE
+        while True:
+            try:
+                result = await pull_stage_state(self.p2p, stage, holders, config=self.config,
+                                                reputation=self.reputation)
+                break
+            except DisagreementError:
+                # holders that serve different versions (one just alone, one between averaging rounds)
+                # agree again within a round: wait for it rather than trust a single donor or give up
+                if self.clock() > deadline:
+                    raise
+                logger.info(f"the holders of stage {stage.index} disagree on its state; asking again shortly")
+                await asyncio.sleep(DISAGREEMENT_RETRY)
+                await self.view.refresh()
+                holders = [r for r in self.view.members(stage.index) if r.peer_id != self.peer_id] or holders
+        self.progress.finish()
+        await self._downloaded(stage, result)
+        return True
+
+    async def _from_local_backup(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord]) -> bool:
+        started = self.clock()
+        backup = self.keeper.take(stage.index) if self.keeper is not None else None
+        if backup is None:
+            return False
+        try:
+            await stage.run(stage.load_state_tensors, backup.state)
+        except ValueError as e:
+            logger.warning(f"the backup of stage {stage.index} this peer kept does not load: {e}")
+            return False
+        self._backup_loaded(stage, "local-backup", backup.version, backup.digest, started)
+        return True
+
+    async def _from_backup_donors(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord]) -> bool:
+        """The copies that count (a syncing keeper serves nothing yet; a copy claimed by any but the
+        named keeper only counts without the keeper's), newest first: older copies would outvote it."""
+        started = self.clock()
+        copies = [c for c in advertised_copies(self.view, spec.num_stages, exclude=self.peer_id)
+                  if c.stage == stage.index]
+        if not copies:
+            return False
+        newest = max(c.version for c in copies)
+        chosen = {c.peer_id for c in copies if c.version == newest}
+        keepers = [r for r in self.view.records if r.peer_id in chosen]
+        self.progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
+        try:
+            result = await pull_stage_state(self.p2p, stage, keepers, config=self.config, min_agreeing_donors=1,
+                                            reputation=self.reputation)
+        except (TransferError, ValueError) as e:
+            logger.warning(f"could not pull the backup of stage {stage.index} from its keepers: {e}")
+            return False
+        finally:
+            self.progress.finish()
+        await self._downloaded(stage, result)
+        digest = await asyncio.to_thread(state_digest, result.state)
+        self._backup_loaded(stage, "backup-donor", result.version, digest, started)
+        return True
+
+    async def _from_checkpoint(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord]) -> bool:
+        if not self.config.checkpoint_dir:
+            return False
+        path = checkpoint_path(self.config.checkpoint_dir, spec.namespace, stage.index)
+        try:
+            version, state = await asyncio.to_thread(load_checkpoint, path, spec=spec, stage=stage.index)
+        except FileNotFoundError:
+            return False
+        except CheckpointError as e:
+            raise UserError(f"{e}.") from e
+        await stage.run(stage.load_state_tensors, state)
+        logger.info(f"first peer of stage {stage.index}: resumed from {path} (step {version})")
+        self.metrics.write("checkpoint_loaded", stage=stage.index, version=version, path=str(path))
+        return True
+
+    async def _downloaded(self, stage: Stage, result: PullResult) -> None:
+        digest = await stage.run(stage.params_digest)  # what was loaded, for tests and reports
+        report = result.report
+        self.metrics.write("state_download", version=result.version, seconds=report.seconds,
+                           bytes_by_donor=report.bytes_by_donor, failed_donors=report.failed_donors,
+                           donor=max(report.bytes_by_donor, key=report.bytes_by_donor.get), digest=digest)
+
+    def _backup_loaded(self, stage: Stage, source: str, version: int, digest: str, started: float) -> None:
+        seconds = self.clock() - started
+        logger.info(f"stage {stage.index} restored from its backup v{version} ({source}) in {seconds:.2f} s")
+        self.metrics.write("backup_restored", stage=stage.index, source=source, version=version, digest=digest,
+                           seconds=seconds)
