@@ -1,6 +1,6 @@
 """Sample for sample, does the swarm learn what one process learns? Held-out loss at fixed sample counts.
 
-    python bench/convergence.py [--modes single,pipeline,replicas,swarm] [--marks 10000,20000,30000,50000]
+    python bench/convergence.py [--modes single,pipeline,replicas,swarm,swarm_churn] [--marks 10000,20000,30000,50000]
                                 [--eval-every 1024] [--eval-sequences 256] [--max-seconds 1200]
                                 [--bootstrap-args "--pipeline-schedule delayed"] [--plot docs/convergence.png]
 
@@ -11,7 +11,9 @@ Every mode trains the default run spec (GPT d_model 128, 4 layers, seq_len 64, b
             loop of bench/pipeline_overhead.py;
 * pipeline: run_bootstrap.py with 2 stages and 2 run_peer.py processes (one per stage);
 * replicas: 1 stage and 2 peers (data parallel, weights averaged every 10 s);
-* swarm:    2 stages and 4 peers (the demo's 2 × 2).
+* swarm:    2 stages and 4 peers (the demo's 2 × 2);
+* swarm_churn: the same swarm under the churn benchmark's seeded trace (bench/convergence_churn.py):
+            a crash, a graceful leave or a rejoin every 30 s, 3 to 5 peers, no stage emptied.
 
 Peers run with one torch thread each and evaluate the held-out set themselves (``--eval-every``
 samples of their own stage 0, an ``eval`` event in their metrics file). Every mode evaluates the same
@@ -55,9 +57,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.convergence_churn import ChurnDriver  # noqa: E402
 from peer.harness.local_swarm import LocalSwarm, wait_for  # noqa: E402  (needs ROOT on sys.path when run as a script)
 
-MODES: dict[str, tuple[int, int]] = {"pipeline": (2, 2), "replicas": (1, 2), "swarm": (2, 4)}  # (stages, peers)
+MODES: dict[str, tuple[int, int]] = {"pipeline": (2, 2), "replicas": (1, 2), "swarm": (2, 4),  # (stages, peers)
+                                     "swarm_churn": (2, 4)}
 ALL_MODES = ("single", *MODES)
 WINDOW_SAMPLES = 2000  # training loss at a mark: the mean over this many samples before it
 SMOOTHING = 50  # microbatches in the plotted training loss's moving average
@@ -272,6 +276,7 @@ class SwarmSettings:
     eval_sequences: int  # held-out sequences per evaluation
     max_seconds: float  # give up waiting after this long (the mode's results then stop where it got)
     bootstrap_args: tuple[str, ...] = ()  # extra run_bootstrap.py flags (run-spec settings to try)
+    churn_seed: int = 0  # swarm_churn: the churn trace's seed (bench/churn.py's)
 
 
 def run_swarm_mode(mode: str, settings: SwarmSettings, workdir: Path, *,
@@ -279,17 +284,24 @@ def run_swarm_mode(mode: str, settings: SwarmSettings, workdir: Path, *,
     """Start the mode's bootstrap and peers, train until done (or the deadline), stop them all."""
     num_stages, num_peers = MODES[mode]
     started = time.monotonic()
+    flags = ("--num-threads", "1", "--eval-every", str(settings.eval_every), "--eval-sequences", str(settings.eval_sequences))
     with LocalSwarm(workdir / mode) as swarm:
         try:
             swarm.start_bootstrap("--num-stages", str(num_stages), "--averaging-period", "10",
                                   *settings.bootstrap_args)
             for _ in range(num_peers):
-                swarm.start_peer("--num-threads", "1", "--eval-every", str(settings.eval_every),
-                                 "--eval-sequences", str(settings.eval_sequences))
+                swarm.start_peer(*flags)
                 time.sleep(1.0)  # staggered, as in the demo
             wait_for(lambda: all(p.events("status") or not p.is_alive() for p in swarm.peers), JOIN_TIMEOUT,
                      "every peer to train")
-            _wait_until_done(swarm, settings, started, mode=mode, progress=progress)
+            churn = None
+            if mode == "swarm_churn":
+                churn = ChurnDriver(swarm.peers, lambda: swarm.start_peer(*flags), seed=settings.churn_seed,
+                                    duration=settings.max_seconds)
+            _wait_until_done(swarm, settings, started, mode=mode, progress=progress,
+                             died=churn.poll if churn else lambda: [p.name for p in swarm.peers if not p.is_alive()])
+            if churn is not None:
+                progress(f"[{mode}] {churn.summary()}")
         except (TimeoutError, RuntimeError):
             print(swarm.logs(), file=sys.stderr)
             raise
@@ -299,11 +311,12 @@ def run_swarm_mode(mode: str, settings: SwarmSettings, workdir: Path, *,
 
 
 def _wait_until_done(swarm: LocalSwarm, settings: SwarmSettings, started: float, *, mode: str,
-                     progress: Callable[[str], None]) -> None:
-    """Poll the metrics files until the run is done; at the deadline, warn and return (partial results)."""
+                     progress: Callable[[str], None], died: Callable[[], list[str]]) -> None:
+    """Poll the metrics files until the run is done; at the deadline, warn and return (partial results).
+    ``died``: the peers that exited unasked (polled every round; it also applies a churn trace)."""
     last_report = started
     while True:
-        dead = [p.name for p in swarm.peers if not p.is_alive()]
+        dead = died()
         if dead:
             raise RuntimeError(f"{', '.join(dead)} exited during the {mode} run")
         microbatches, evals = _swarm_events(swarm)
@@ -378,7 +391,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-sequences", type=int, default=256, help="held-out sequences (default 256)")
     parser.add_argument("--max-seconds", type=float, default=1200.0, help="per process mode (default 1200)")
     parser.add_argument("--single-threads", type=int, default=2, help="torch threads of single (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="data order of single (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="data order of single, and swarm_churn's trace (default 0)")
     parser.add_argument("--bootstrap-args", default="", help="extra run_bootstrap.py flags, one string (shlex)")
     parser.add_argument("--workdir", default=f"runs/convergence-{time.strftime('%Y%m%d-%H%M%S')}",
                         help="logs and metrics of the process modes")
@@ -402,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()
     settings = SwarmSettings(max_samples=args.marks[-1], eval_every=args.eval_every,
                              eval_sequences=args.eval_sequences, max_seconds=args.max_seconds,
-                             bootstrap_args=tuple(shlex.split(args.bootstrap_args)))
+                             bootstrap_args=tuple(shlex.split(args.bootstrap_args)), churn_seed=args.seed)
     curves, failed = [], []
     for mode in args.modes:
         if mode == "single":

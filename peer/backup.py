@@ -39,7 +39,7 @@ from hivemind.p2p import P2P
 from dht.records import PeerRecord, RunSpec
 from dht.reputation import Reputation
 from peer.config import PeerConfig
-from peer.metrics import MetricsLog
+from peer.event_log import EventLog
 from planner.backup_plan import BackupCopy, Rescue, assign_backups, choose_rescues
 from planner.claims import credible_copies
 from planner.stage_choice import StageMember
@@ -151,7 +151,7 @@ class BackupKeeper:
     """
 
     def __init__(self, p2p: P2P, view: SwarmView, spec: RunSpec, *, peer_id: str, config: PeerConfig,
-                 metrics: MetricsLog, clock: Callable[[], float] = time.monotonic,
+                 metrics: EventLog, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None) -> None:
         self.p2p, self.view, self.spec, self.peer_id = p2p, view, spec, peer_id
         self.config, self.metrics = config, metrics

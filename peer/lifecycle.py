@@ -40,9 +40,9 @@ from peer.backup import HOLDER_STATES, BackupKeeper, RescueWatch
 from peer.checkpoint import newest_checkpoint_layout
 from peer.config import PeerConfig
 from peer.errors import UserError
+from peer.event_log import EventLog
 from peer.faults import inject_bad_updates, read_faults
 from peer.join import fetch_spec, negotiate_stage, open_swarm_dht
-from peer.metrics import MetricsLog
 from peer.profiler import measure_flops, resolve_device, stage_memory_budget
 from peer.relayout import Handoff, LayoutChange, joiner_layout
 from peer.session import PeerContext, StageSession
@@ -67,7 +67,7 @@ class Peer:
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
         self.role = config.resolved_role
-        self.metrics = MetricsLog(config.metrics_file)
+        self.metrics = EventLog(config.metrics_file)
         self.state = PeerState.JOINING
         self.dht = self.validator = self.p2p = None
         self.ctx: PeerContext | None = None  # from the join on: what every stage session shares

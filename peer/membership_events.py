@@ -14,7 +14,7 @@ import logging
 import time
 
 from dht.records import PeerRecord
-from peer.metrics import MetricsLog
+from peer.event_log import EventLog
 from swarm.failure_detector import FailureDetector
 from swarm.membership import MembershipNotices
 from swarm.router import Router
@@ -32,7 +32,7 @@ class MembershipEvents:
         metrics: the peer's event log.
     """
 
-    def __init__(self, view: SwarmView, metrics: MetricsLog) -> None:
+    def __init__(self, view: SwarmView, metrics: EventLog) -> None:
         self.view, self.metrics = view, metrics
         self.router: Router | None = None  # to the next stage (none on the last)
         self.detector: FailureDetector | None = None

@@ -34,9 +34,9 @@ from dht.reputation import Reputation
 from peer.backup import BackupKeeper, RescueWatch
 from peer.checkpoint import WriteProgress, checkpoint_path, save_checkpoint
 from peer.config import PeerConfig
+from peer.event_log import EventLog
 from peer.faults import inject_corrupt_shards, inject_wrong_outputs
 from peer.membership_events import MembershipEvents
-from peer.metrics import MetricsLog
 from peer.rebalance import RebalanceWatch
 from peer.relayout import wait_layout_change
 from peer.status.snapshot import ServiceCounters
@@ -90,7 +90,7 @@ class PeerContext:
     view: object
     base_spec: RunSpec
     keeper: BackupKeeper
-    metrics: MetricsLog
+    metrics: EventLog
     reputation: Reputation | None
     faults: dict[str, str]
     corpus: bytes

@@ -24,8 +24,8 @@ from peer.backup import BackupKeeper, advertised_copies, state_digest
 from peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from peer.config import PeerConfig
 from peer.errors import UserError
+from peer.event_log import EventLog
 from peer.join import pull_stage_state, stage_state_bytes
-from peer.metrics import MetricsLog
 from peer.status.local import SyncProgress
 from replication.pull_report import DisagreementError
 from replication.transfer import PullResult, TransferError
@@ -53,7 +53,7 @@ class StateLoader:
     """
 
     def __init__(self, p2p, view: SwarmView, *, peer_id: str, config: PeerConfig, keeper: BackupKeeper | None,
-                 metrics: MetricsLog, reputation: Reputation | None, traffic,
+                 metrics: EventLog, reputation: Reputation | None, traffic,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.p2p, self.view, self.peer_id, self.config = p2p, view, peer_id, config
         self.keeper, self.metrics, self.reputation, self.traffic = keeper, metrics, reputation, traffic

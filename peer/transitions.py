@@ -17,7 +17,7 @@ import torch
 from dht.records import RunSpec
 from dht.reputation import Reputation
 from peer.backup import RescueWatch, StageBackup
-from peer.metrics import MetricsLog
+from peer.event_log import EventLog
 from peer.relayout import LayoutChange, gather_pieces
 from planner.backup_plan import Rescue
 from planner.stage_choice import StageMove
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 Transition = StageMove | Rescue | LayoutChange
 
 
-def announce_transition(transition: Transition, *, spec: RunSpec, stage: int, metrics: MetricsLog) -> None:
+def announce_transition(transition: Transition, *, spec: RunSpec, stage: int, metrics: EventLog) -> None:
     """Log and record the start of ``transition`` by the peer serving ``stage`` under ``spec``."""
     if isinstance(transition, StageMove):
         move = transition
@@ -59,7 +59,7 @@ def announce_transition(transition: Transition, *, spec: RunSpec, stage: int, me
 
 async def compose_stage(p2p, change: LayoutChange, stage: Stage, *, old_spec: RunSpec, old_index: int,
                         own_state: dict[str, torch.Tensor], backup: StageBackup | None, watch: RescueWatch,
-                        request_timeout: float, reputation: Reputation | None, metrics: MetricsLog) -> dict[str, str]:
+                        request_timeout: float, reputation: Reputation | None, metrics: EventLog) -> dict[str, str]:
     """Build ``stage`` (of ``change``'s layout) from pieces of the old layout
     (``peer.relayout.gather_pieces``) and load it; returns where each part came from."""
     new_spec, new_index = change.spec, stage.index
@@ -82,7 +82,7 @@ async def compose_stage(p2p, change: LayoutChange, stage: Stage, *, old_spec: Ru
 
 
 def report_relayout(change: LayoutChange, provenance: dict[str, str], *, from_stage: int, step: int, digest: str,
-                    seconds: float, metrics: MetricsLog) -> None:
+                    seconds: float, metrics: EventLog) -> None:
     """Log and record a finished layout change: where each part of the new stage came from."""
     new_spec, new_index = change.spec, change.stage
     reseeded = sorted(part for part, source in provenance.items() if source == "seed")

@@ -1,6 +1,6 @@
 """``python -m peer.status.report <metrics.jsonl ...> --out DIR``: plots of a peer's or a swarm's event logs.
 
-Reads the JSON lines that peers write with ``--metrics-file`` (:mod:`peer.metrics`), one file per
+Reads the JSON lines that peers write with ``--metrics-file`` (:mod:`peer.event_log`), one file per
 peer, and draws three PNGs into ``DIR``:
 
 - ``loss.png``: the loss of every microbatch that reported one, per peer, with a moving average;

@@ -14,7 +14,7 @@ from dht.records import ModelSpec, PeerRecord, RunSpec
 from dht.registry import declare_peer
 from peer.backup import BackupKeeper
 from peer.config import PeerConfig
-from peer.metrics import MetricsLog
+from peer.event_log import EventLog
 from peer.session import PeerContext, StageSession
 from swarm.data import load_corpus
 from swarm.stage import Stage
@@ -68,7 +68,7 @@ async def new_session(dht, validator, stage_index: int) -> tuple[StageSession, H
     config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), run_id=SPEC.run_id, stage=stage_index,
                         max_in_flight=2, request_timeout=10.0, status_period=1.0)
     peer_id, p2p = dht.peer_id.to_base58(), await dht.replicate_p2p()
-    view, metrics = SwarmView(dht, SPEC.run_id), MetricsLog(None)
+    view, metrics = SwarmView(dht, SPEC.run_id), EventLog(None)
     ctx = PeerContext(config=config, role="reliable", peer_id=peer_id, dht=dht, p2p=p2p, view=view, base_spec=SPEC,
                       keeper=BackupKeeper(p2p, view, SPEC, peer_id=peer_id, config=config, metrics=metrics),
                       metrics=metrics, reputation=None, faults={}, corpus=load_corpus(SPEC.dataset))

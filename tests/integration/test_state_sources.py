@@ -11,7 +11,7 @@ from dht.records import ModelSpec, RunSpec
 from peer.backup import BackupKeeper, StageBackup, state_digest
 from peer.checkpoint import checkpoint_path, save_checkpoint
 from peer.config import PeerConfig
-from peer.metrics import MetricsLog
+from peer.event_log import EventLog
 from peer.state_sources import SOURCES, StateLoader
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -37,7 +37,7 @@ def load(dht, tmp_path, *, checkpoint: bool, backup: StageBackup | None) -> tupl
                         checkpoint_dir=str(tmp_path) if checkpoint else None)
 
     async def main() -> tuple[str, dict[str, torch.Tensor]]:
-        p2p, peer_id, metrics = await dht.replicate_p2p(), dht.peer_id.to_base58(), MetricsLog(None)
+        p2p, peer_id, metrics = await dht.replicate_p2p(), dht.peer_id.to_base58(), EventLog(None)
         view = SwarmView(dht, SPEC.run_id)
         keeper = BackupKeeper(p2p, view, SPEC, peer_id=peer_id, config=config, metrics=metrics)
         keeper.backup = backup

@@ -19,7 +19,7 @@ T0 = 1_700_000_000.0
 
 
 def write_log(path: Path, *, stage: int, num_seconds: int, seed: int, tokens_per_s: float) -> None:
-    """A peer's metrics file as peer.metrics writes it: microbatches, status lines, and some noise."""
+    """A peer's metrics file as peer.event_log writes it: microbatches, status lines, and some noise."""
     rng = random.Random(seed)
     lines = [{"t": T0 + seed, "event": "joined", "peer_id": f"peer{seed}", "stage": stage}]
     for i in range(num_seconds * 4):

@@ -21,7 +21,7 @@ from peer.backup import (
     state_digest,
 )
 from peer.config import PeerConfig
-from peer.metrics import MetricsLog
+from peer.event_log import EventLog
 from replication.transfer import TransferError
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -44,7 +44,7 @@ def keeper(peer_id: str, records: list[PeerRecord], **kwargs) -> BackupKeeper:
     view = SwarmView(None, "run")
     view.records = records
     config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), backup_period=PERIOD)
-    return BackupKeeper(None, view, SPEC, peer_id=peer_id, config=config, metrics=MetricsLog(None), **kwargs)
+    return BackupKeeper(None, view, SPEC, peer_id=peer_id, config=config, metrics=EventLog(None), **kwargs)
 
 
 def copy_of(stage: int, holder: str, *, step: int, at: float, seconds: float = 0.5) -> StageBackup:
@@ -99,7 +99,7 @@ def test_the_only_copy_of_a_lost_stage_is_not_replaced_by_another_duty():
     view = SwarmView(None, "run")
     view.records = [record("a", 0, version=9), record("c", 2)]
     config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), backup_period=PERIOD)
-    k = BackupKeeper(None, view, spec, peer_id="c", config=config, metrics=MetricsLog(None))
+    k = BackupKeeper(None, view, spec, peer_id="c", config=config, metrics=EventLog(None))
     k.backup = copy_of(1, "b", step=5, at=0.0)
     assert k.due(PERIOD + 1) is None and k.backup.stage == 1
     view.records = [record("a", 0, version=9), record("j", 1), record("k", 1), record("c", 2)]  # held again, twice

@@ -8,7 +8,7 @@ import time
 from typing import IO, Any
 
 
-class MetricsLog:
+class EventLog:
     """Appends ``{"t": unix time, "event": name, ...}`` lines to a file; a no-op without a path."""
 
     def __init__(self, path: str | None) -> None:
