@@ -347,7 +347,7 @@ class Peer:
             num_samples=counters.num_samples if counters else 0,
             version=self.stage.version if self.stage else 0,
             loss=counters.last_loss if counters else math.nan, announced_at=self.announced_at,
-            val_loss=self.session.val_loss if self.session is not None else math.nan,
+            val_loss=self.session.val_loss if self.session is not None and not self.session.is_closed else math.nan,
             backup_stage=backup.stage if backup else -1, backup_version=backup.version if backup else 0,
             maddrs=self.maddrs, params_digest=self._averaged[1], averaged_at=self._averaged[0],
             software_version=SOFTWARE_VERSION, bytes_sent=TRAFFIC.bytes_sent, bytes_received=TRAFFIC.bytes_received,
