@@ -5,8 +5,9 @@ separated by commas or spaces) misbehaves as named, and only if ``MURMURATION_AL
 is set too; otherwise it refuses to start. Faults:
 
 * ``corrupt_shards``: its replication server answers every second request for state pieces with one
-  byte of each piece flipped (replication/), the others correctly: a joiner must catch it by the
-  digests, drop it, re-fetch its pieces from other donors and strike it.
+  byte of each piece flipped (replication/), the first included, the others correctly: a joiner must
+  catch it by the digests, drop it, re-fetch its pieces from other donors and strike it. The first
+  is corrupted because a joiner that measures this donor slow may ask it only once.
 * ``wrong_outputs``: its stage's forwards return the outputs negated (swarm/stage.py): spot checks
   (swarm/spot_check.py) must catch it.
 * ``scale_updates=F``: every optimizer step moves the parameters ``F`` times as far as it should
@@ -80,14 +81,16 @@ def inject_wrong_outputs(stage: Any) -> None:
 
 
 def inject_corrupt_shards(server: Any) -> None:
-    """``server`` (a replication.server.ReplicationServer) corrupts every second request it serves."""
+    """``server`` (a replication.server.ReplicationServer) corrupts every second request it serves,
+    starting with the first: how many requests a joiner sends a donor depends on the rates it
+    measures, and one that asked only once must still meet the corruption."""
     _require_allowed()
     honest_load = server.load_shard
     served = itertools.count()
 
     async def load_shard(version: int, shard_bytes: int, index: int, count: int = 1, **kwargs: Any):
         data = await honest_load(version, shard_bytes, index, count, **kwargs)
-        if next(served) % 2 == 0:
+        if next(served) % 2 == 1:
             return data
         data = bytearray(data)
         for offset in range(0, len(data), shard_bytes):  # one byte in the middle of each piece

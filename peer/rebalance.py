@@ -32,12 +32,15 @@ class RebalanceWatch:
         period: seconds between looks (``--rebalance-period``).
         min_gain: the least gain of the bottleneck throughput that justifies a move.
         clock: monotonic seconds (the settling time after arriving).
+        on_check: called with the swarm's move (or None) after each check that counted (settled, no
+            joiner in view): the ``rebalance_checked`` event tests wait on instead of seconds.
     """
 
     def __init__(self, view: SwarmView, spec: RunSpec, *, peer_id: str, period: float, min_gain: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_check: Callable[[StageMove | None], None] = lambda move: None) -> None:
         self.view, self.spec, self.peer_id = view, spec, peer_id
-        self.period, self.min_gain, self.clock = period, min_gain, clock
+        self.period, self.min_gain, self.clock, self.on_check = period, min_gain, clock, on_check
         self.arrived = clock()
         self._costs = [stage_flops_per_sample(spec, k) for k in range(spec.num_stages)]
 
@@ -50,6 +53,7 @@ class RebalanceWatch:
         members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops)
                    for k in range(self.spec.num_stages) for r in self.view.members(k, states=("training", "syncing"))]
         move = choose_move(self._costs, members, min_gain=self.min_gain)
+        self.on_check(move)
         return move if move is not None and move.peer_id == self.peer_id else None
 
     async def wait(self, is_training: Callable[[], bool], check_memory: Callable[[int], None]) -> StageMove:

@@ -42,6 +42,7 @@ from peer.relayout import wait_layout_change
 from peer.status.snapshot import ServiceCounters
 from peer.transitions import Transition
 from planner.backup_plan import Rescue
+from planner.stage_choice import StageMove
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import TokenSampler, data_seed
@@ -254,7 +255,7 @@ class StageSession:
         watches = []
         if config.rebalance_period > 0 and config.stage < 0:  # a peer pinned with --stage stays
             rebalance = RebalanceWatch(ctx.view, self.spec, peer_id=ctx.peer_id, period=config.rebalance_period,
-                                       min_gain=config.rebalance_min_gain)
+                                       min_gain=config.rebalance_min_gain, on_check=self._rebalance_checked)
             watches.append(self._spawn("rebalance", rebalance.wait(self.host.is_training, self.host.check_memory)))
         self.watch = RescueWatch(ctx.view, self.spec, peer_id=ctx.peer_id, settle=config.heartbeat_ttl / 2)
         watches.append(self._spawn("rescue", self.watch.wait_verified_rescue(self._answers_ping,
@@ -294,13 +295,17 @@ class StageSession:
         if keep_state:
             await self.stage.wait_step_done()
             kept = await self.stage.run(self.stage.state_tensors)
-        for service in (self.replication, self.notices, self.router and self.router.spot_checker):
-            if service is not None:
-                await service.shutdown()
+        closers = [service.shutdown() for service in (self.replication, self.notices, self.router and self.router.spot_checker)
+                   if service is not None]
         if self.server is not None:
-            await self.server.stop(timeout=LEAVE_TIMEOUT)  # no request may reach a stage being shut down
+            closers.append(self.server.stop(timeout=LEAVE_TIMEOUT))  # no request may reach a stage being shut down
         if self.gradient_sync is not None:
-            await self.gradient_sync.stop()
+            closers.append(self.gradient_sync.stop())
+        for closer in closers:  # each removes its handlers from the p2p daemon: a stuck daemon must not hang a leave
+            try:
+                await asyncio.wait_for(closer, timeout=2 * LEAVE_TIMEOUT)
+            except asyncio.TimeoutError:
+                logger.warning(f"a service of stage {self.stage.index} did not shut down within {2 * LEAVE_TIMEOUT:.0f} s")
         if self.averager is not None:
             self.averager.shutdown()
         self.stage.shutdown()
@@ -429,6 +434,9 @@ class StageSession:
                 await self.write_checkpoint()
             except OSError as e:  # a full or read-only disk must not stop training
                 logger.warning(f"could not write a checkpoint: {e}")
+
+    def _rebalance_checked(self, move: StageMove | None) -> None:
+        self.ctx.metrics.write("rebalance_checked", stage=self.stage.index, mover=move.peer_id if move else None)
 
     # --- what the services tell the session ---------------------------------------------------
 

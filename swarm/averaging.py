@@ -1,13 +1,15 @@
 """In-stage data parallelism: replicas of a stage average their parameters and AdamW moments every period.
 
 Rounds are aligned to the DHT clock: every replica of stage k schedules its round at the next
-multiple of ``averaging_period``, so all of them look for a group at the same moment without
-anyone coordinating. Matchmaking runs in the background (hivemind's ``DecentralizedAverager`` with
-``require_trigger``) while the stage keeps training; only at the scheduled time does the stage
-hold its optimizer steps (forwards and backwards go on), copy its parameters in, trigger the all-reduce, and copy
-the average back. After a round every member of the group holds a bit-identical training state
-(averaging runs on float64 copies; see ``__init__``), which the stage keeps as its snapshot for
-joiners: every replica serves the same bytes under the same version (the round's time).
+multiple of ``averaging_period``, so all of them look for a group at the same moment without anyone
+coordinating (one that is too late for the next round goes to the next even one, so that replicas
+that skip rounds do not settle on alternate ones: :func:`next_round_time`). Matchmaking runs in the
+background (hivemind's ``DecentralizedAverager`` with ``require_trigger``) while the stage keeps
+training; only at the scheduled time does the stage hold its optimizer steps (forwards and backwards
+go on), copy its parameters in, trigger the all-reduce, and copy the average back. After a round
+every member of the group holds a bit-identical training state (averaging runs on float64 copies;
+see ``__init__``), which the stage keeps as its snapshot for joiners: every replica serves the same
+bytes under the same version (the round's time).
 Unreliable peers take part in client mode: they send and receive but host no part of the reduce.
 Averager keys are ``<namespace>_stage<k>`` (``RunSpec.namespace``: the run id, plus the layout version after a re-plan).
 
@@ -39,6 +41,23 @@ from swarm.view import SwarmView
 logger = logging.getLogger(__name__)
 PREPARE_AHEAD = 1.0
 ACTIVE_ROUNDS = 3  # a replica that averaged within this many periods counts towards keeps_round's stage size
+
+
+def next_round_time(now: float, period: float, *, lead: float) -> float:
+    """The next multiple of ``period`` at least ``lead`` seconds ahead (time to finish matchmaking);
+    if that one is too close, the next multiple of twice the period that is far enough.
+
+    A replica that skips a round must not drift to the other parity. A round that found no group
+    ends 2 s after its time (the step's timeout), so with a period up to 5 s every failed round
+    makes a replica skip the next one: two replicas that each failed once, one round apart (the
+    second was still starting), would then try alternate rounds and never meet (seen with a 5 s
+    period on a loaded machine, tests/e2e/test_hostile_donor.py). Skipping to even rounds puts every
+    replica that skipped on one grid, and one that did not skip joins it at its next failed round.
+    """
+    at = math.ceil(now / period) * period
+    if at - now >= lead:
+        return at
+    return math.ceil((now + lead) / (2 * period)) * 2 * period
 
 
 def keeps_round(aggregation: str, group_size: int, num_members: int) -> bool:
@@ -110,9 +129,7 @@ class StageAverager:
         )
 
     def next_round_time(self, now: float) -> float:
-        """The next multiple of the period far enough ahead to finish matchmaking first."""
-        at = math.ceil(now / self.period) * self.period
-        return at if at - now >= self.matchmaking_time + PREPARE_AHEAD else at + self.period
+        return next_round_time(now, self.period, lead=self.matchmaking_time + PREPARE_AHEAD)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -237,3 +237,11 @@ class RobustAverager(DecentralizedAverager):
             tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        parts = runner.tensor_part_container
+        if parts.failed_size:
+            # a reducer failed this member (a stream cut or timed out, e.g. on a loaded host): hivemind
+            # then keeps this member's own values for that reducer's parts, so its copy differs from
+            # every other member's, and it would serve other bytes under the round's version. The round
+            # fails here instead (StageAverager keeps the pre-round state and publishes nothing).
+            raise AllreduceException(f"a reducer failed: {parts.failed_size} of {parts.total_size} averaged values "
+                                     "did not arrive")

@@ -24,6 +24,7 @@ from swarm.stage import Stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ARGS = ("--num-threads", "1", "--rebalance-period", "0", "--backup-period", "3")
+HEARTBEAT_TTL = 6.0  # the peers' default --heartbeat-ttl
 
 
 def stage_of(peer) -> int:
@@ -52,7 +53,8 @@ def test_the_only_peer_of_a_stage_is_killed_and_the_stage_comes_back_from_its_ba
     wait_for(lambda: any(e["version"] >= 1 for e in keeper.events("backup")), 90, "a backup of a trained state")
     first = keeper.events("backup")[-1]
     wait_for(lambda: keeper.events("backup")[-1]["version"] > first["version"], 60, "the backup to be refreshed")
-    time.sleep(3)
+    refresh_from = time.time()
+    wait_for(lambda: keeper.events("backup")[-1]["t"] > refresh_from, 60, "one more backup refresh")
     killed_at = time.time()
     os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT child and its p2pd, without warning
     for other in (p for p in peers if p is not keeper):  # a keeper for a moment, while the swarm formed
@@ -100,8 +102,10 @@ def test_a_joiner_of_a_stage_whose_only_peer_was_killed_pulls_it_from_the_backup
     backup = [e for e in keeper.events("backup") if e["of_stage"] == 0 and e["t"] < killed_at][-1]
 
     # a joiner reads the DHT: until the victim's last heartbeat expires (--heartbeat-ttl, 6 s) it may
-    # still see stage 0 as held and choose stage 1 (then the keeper rescues stage 0, a different path)
-    time.sleep(7)
+    # still see stage 0 as held and choose stage 1 (then the keeper rescues stage 0, a different path).
+    # Not a synchronisation: a record's expiry is a wall-clock time (its last heartbeat, before the
+    # kill, plus the TTL), whatever the load; the second on top covers the DHT's clock skew.
+    time.sleep(max(0.0, killed_at + HEARTBEAT_TTL + 1.0 - time.time()))
     joiner = local_swarm.start_peer(*ARGS, "--replan-after", "0")
     wait_for(lambda: joiner.events("backup_restored"), 150, "the joiner to restore stage 0 from its backup")
     restored = joiner.events("backup_restored")[0]

@@ -27,7 +27,9 @@ def test_kill_9_of_a_last_stage_replica_costs_only_its_compute(local_swarm):
     local_swarm.start_bootstrap()
     peers = [local_swarm.start_peer("--num-threads", "1", "--rebalance-period", "0") for _ in range(4)]  # a fixed map
     wait_for(lambda: all(p.events("status") for p in peers), 150, "four peers to train")
-    time.sleep(10)
+    # the loss compared below is that of the 15 s before the kill: make sure they hold enough of it
+    wait_for(lambda: len(losses_between(peers, time.time() - 10, time.time())) > 10, 90,
+             "more than 10 losses in the last 10 s before the kill")
     victim = next(p for p in peers if stage_of(p) == 1)
     survivors = [p for p in peers if p is not victim]
     killed_at = time.time()
@@ -37,7 +39,11 @@ def test_kill_9_of_a_last_stage_replica_costs_only_its_compute(local_swarm):
     done_before = sum(len(p.events("microbatch")) for p in first_stage)
     wait_for(lambda: sum(len(p.events("microbatch")) for p in first_stage) >= done_before + 100, 90,
              "100 more microbatches through the pipeline after the crash")
-    time.sleep(10)
+    # the loss compared below is that of the last 15 s: a window wholly after the kill, with enough in it
+    def window_after_kill() -> bool:
+        now = time.time()
+        return now - 15 >= killed_at and len(losses_between(survivors, now - 15, now)) > 10
+    wait_for(window_after_kill, 90, "15 s after the kill with more than 10 losses in them")
     assert all(p.is_alive() for p in survivors)
     before = losses_between(survivors + [victim], killed_at - 15, killed_at)
     after = losses_between(survivors, time.time() - 15, time.time())

@@ -244,7 +244,8 @@ def test_a_peer_claiming_a_huge_version_and_rates_forces_no_reload(local_swarm, 
         keeper = min(stage1, key=peer_id_of)
         wait_for(lambda: any(e["t"] > joiner.events("status")[0]["t"] for e in keeper.events("backup")), 60,
                  "a backup taken by the keeper after the joiner arrived")
-        time.sleep(4)
+        refresh_from = time.time()
+        wait_for(lambda: any(e["t"] > refresh_from for e in keeper.events("backup")), 60, "one more backup refresh")
         killed_at = time.time()
         os.killpg(first.pid, signal.SIGKILL)
         backup = [e for e in keeper.events("backup") if e["t"] < killed_at][-1]

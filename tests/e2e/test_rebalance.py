@@ -31,6 +31,18 @@ def stage_of(peer) -> int:
     return peer.events("status")[-1]["stage"]
 
 
+def checks(peer, *, after: float = 0.0) -> int:
+    """Rebalancing checks ``peer`` made (settled, no joiner in view) since ``after``."""
+    return sum(e["t"] > after for e in peer.events("rebalance_checked"))
+
+
+def wait_checks(peers, num_checks: int, what: str) -> None:
+    """Wait until each of ``peers`` made ``num_checks`` more rebalancing checks: a claim that nobody
+    moves is only as good as the checks it covers, and a busy machine makes fewer per second."""
+    since = time.time()
+    wait_for(lambda: all(checks(p, after=since) >= num_checks for p in peers), 30 + 10 * num_checks, what)
+
+
 def expected_move(peers, *, as_joined: bool = False):
     """What choose_move says on the FLOP/s the peers recorded, on their current stages (or on the
     stages they negotiated when they joined)."""
@@ -44,7 +56,7 @@ def test_after_a_leave_the_named_peer_moves_to_the_bottleneck_stage_and_trains_t
     local_swarm.start_bootstrap()
     peers = [local_swarm.start_peer("--num-threads", "1", *REBALANCE) for _ in range(4)]
     wait_for(lambda: all(p.events("status") for p in peers), 150, "four peers to train")
-    time.sleep(8)  # four rebalancing checks with the swarm at 2 + 2
+    wait_for(lambda: all(checks(p) >= 4 for p in peers), 90, "four rebalancing checks with the swarm at 2 + 2")
     early = expected_move(peers, as_joined=True)  # the 2 + 2 map as negotiated, before any move
     if early is not None:  # the FLOP/s measured at join (noisy on a busy host) call for a move at 2 + 2 already
         mover = next(p for p in peers if p.events("joined")[0]["peer_id"] == early.peer_id)
@@ -60,7 +72,7 @@ def test_after_a_leave_the_named_peer_moves_to_the_bottleneck_stage_and_trains_t
     moves_before = sum(len(p.events("moving")) for p in rest)  # moves the oracle allowed at 2 + 2
     move = expected_move(rest)
     if move is None:  # the FLOP/s recorded make no move worth it: nobody moves
-        time.sleep(12)
+        wait_checks(rest, 6, "six rebalancing checks on every peer after the leave")
         assert sum(len(p.events("moving")) for p in rest) == moves_before
         return
     mover = next(p for p in rest if p.events("joined")[0]["peer_id"] == move.peer_id)
@@ -73,7 +85,7 @@ def test_after_a_leave_the_named_peer_moves_to_the_bottleneck_stage_and_trains_t
     assert downloads, "the mover pulls its new stage's state from the holders"
     wait_for(lambda: any(e["stage"] == move.to_stage and e["t"] > moved_at for e in mover.events("microbatch")), 60,
              "the mover to train its new stage")
-    time.sleep(8)  # more checks on the new map: the mover is never moved back
+    wait_checks([mover], 4, "four checks by the mover on the new map")  # it is never moved back
     assert [(e["from_stage"], e["to_stage"]) for e in mover.events("moving") if e["t"] >= moving["t"]] == [
         (move.from_stage, move.to_stage)]
     assert stage_of(mover) == move.to_stage

@@ -54,7 +54,9 @@ def test_a_stage_nobody_can_rescue_is_replanned_away_and_training_goes_on(local_
              "stage 2's peer to back up a trained stage 1")
     wait_for(lambda: len(last_stage_losses([keeper], 0, time.time(), last_stage=2)) >= 40, 120,
              "40 microbatches through the three stages")
-    time.sleep(4)  # one more backup refresh
+    refresh_from = time.time()
+    wait_for(lambda: any(e["of_stage"] == 1 and e["t"] > refresh_from for e in keeper.events("backup")), 60,
+             "one more backup refresh of stage 1")
     killed_at = time.time()
     os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT child and its p2pd, without warning
     backup = [e for e in keeper.events("backup") if e["t"] < killed_at and e["of_stage"] == 1][-1]

@@ -28,7 +28,9 @@ def test_kill_9_of_a_middle_stage_replica_loses_no_microbatch_and_counts_none_tw
     peers = [first, *middle, last]
     wait_for(lambda: all(p.events("status") for p in peers), 150, "four peers to train")
     wait_for(lambda: all(ids(p, "accumulated") for p in middle), 60, "both middle replicas to count microbatches")
-    time.sleep(5)
+    counted = [len(ids(p, "accumulated")) for p in middle]
+    wait_for(lambda: all(len(ids(p, "accumulated")) >= n + 10 for p, n in zip(middle, counted)), 60,
+             "the pipeline in its stride: 10 more microbatches counted by each middle replica")
 
     victim, survivor = middle
     killed_at = time.time()

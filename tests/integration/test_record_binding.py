@@ -81,7 +81,7 @@ def test_forged_heartbeats_do_not_keep_a_dead_peer_alive(dht_nodes):
             seen = [r.peer_id for r in await fetch_peers(reader, RUN)]
             if now > deadline - 5.0:  # well past the real heartbeat's expiry
                 assert seen == [], seen
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the forger's heartbeat cadence (the attack), not a synchronisation
 
     try:
         asyncio.run(main())

@@ -233,7 +233,7 @@ def test_a_donor_that_keeps_serving_corrupted_pieces_is_struck_then_banned_and_n
 
     async def main():
         servers = await start_donors(donor_nodes, [STATE] * 3)
-        inject_corrupt_shards(servers[1])  # every second request it answers has a byte of each piece flipped
+        inject_corrupt_shards(servers[1])  # every second request it answers (the first too) has each piece's byte flipped
         liar = donors[1]
         reputation = Reputation(max_strikes=2 * CORRUPT_PIECE_STRIKES, window=600.0,
                                 on_ban=lambda peer_id, reason: bans.append((peer_id, reason)))
@@ -451,7 +451,7 @@ def test_queued_runs_move_from_a_slow_donor_to_the_fast_ones(loop, dht_nodes, tm
 
         async def slow_donor_0(server: CountingServer, index: int, data):
             if server is servers[0]:
-                await asyncio.sleep(0.1 * len(data) / CONFIG.piece_bytes)
+                await asyncio.sleep(0.1 * len(data) / CONFIG.piece_bytes)  # the fault: a slow link, not a wait
             return data
 
         servers += await start_donors(donor_nodes, [STATE] * 3, faults={i: slow_donor_0 for i in range(3)})

@@ -88,3 +88,14 @@ def test_a_negative_min_gain_is_refused_by_the_planner():
     clock.advance(3 * PERIOD)
     with pytest.raises(ValueError):
         w.check(is_training=True)
+
+
+def test_every_check_that_counted_is_reported_with_the_swarm_s_move():
+    clock, seen = FakeClock(), []
+    w = RebalanceWatch(SwarmView(None, "run"), SPEC, peer_id="d", period=PERIOD, min_gain=0.2, clock=clock,
+                       on_check=seen.append)
+    w.view.records = UNBALANCED
+    assert w.check(is_training=True) is None and seen == []  # not settled: no check counted
+    clock.advance(2 * PERIOD)
+    assert w.check(is_training=True) is None  # the move is another peer's...
+    assert len(seen) == 1 and seen[0].to_stage == 1 and seen[0].peer_id != "d"  # ...but the check is reported

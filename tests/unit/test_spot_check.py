@@ -131,7 +131,7 @@ def test_the_wrong_outputs_fault_negates_what_a_stage_computes(monkeypatch):
         run(main, honest, faulty)
 
 
-def test_the_corrupt_shards_fault_flips_a_byte_of_each_piece_of_every_second_request(monkeypatch):
+def test_the_corrupt_shards_fault_flips_a_byte_of_each_piece_of_every_second_request_the_first_included(monkeypatch):
     monkeypatch.setenv(ALLOW_ENV, "1")
     data = bytes(range(256)) * 64  # 4 pieces of 4096 bytes
 
@@ -140,12 +140,13 @@ def test_the_corrupt_shards_fault_flips_a_byte_of_each_piece_of_every_second_req
 
     server = types.SimpleNamespace(load_shard=load_shard)
     inject_corrupt_shards(server)
-    assert bytes(asyncio.run(server.load_shard(1, 4096, 0, 2))) == data[:2 * 4096]  # the first: honest
-    served = asyncio.run(server.load_shard(1, 4096, 1, 3))  # the second: corrupted
+    served = asyncio.run(server.load_shard(1, 4096, 1, 3))  # the first: corrupted
     assert len(served) == 3 * 4096
     diffs = [4096 + i for i in range(len(served)) if served[i] != data[4096 + i]]
     assert diffs == [4096 + 2048, 2 * 4096 + 2048, 3 * 4096 + 2048]  # one byte in each piece
-    assert bytes(asyncio.run(server.load_shard(1, 4096, 3, 1))) == data[3 * 4096:]  # the third: honest
+    assert bytes(asyncio.run(server.load_shard(1, 4096, 0, 2))) == data[:2 * 4096]  # the second: honest
+    served = asyncio.run(server.load_shard(1, 4096, 3, 1))  # the third: corrupted again
+    assert [i for i in range(4096) if served[i] != data[3 * 4096 + i]] == [2048]
 
 
 def test_fault_injection_is_not_in_the_help():
