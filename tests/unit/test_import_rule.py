@@ -28,7 +28,7 @@ OFFLINE_PLANNER = "planner.offline"
 VIEWS = "peer.status"  # the volunteer-facing windows: they read snapshots and records, never the peer's core
 VIEWS_MAY_IMPORT = {"peer.errors"}  # of peer/ outside peer.status
 HARNESS = "peer.harness"  # local swarms for the demo, bench/ and the tests; a running peer never loads it  # evaluated by bench/ and the tests only; the live peer never imports it
-SCRIPT_DIRS = ("bench",)  # folders of scripts that put the repository root on sys.path themselves
+SCRIPT_DIRS = ("bench", "scripts")  # folders of scripts (run as files, not imported as packages)
 NOT_SOURCE = ("tests",)  # top-level folders with Python files that are neither packages nor scripts
 
 
