@@ -22,12 +22,11 @@ from dht.registry import dht_time
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.join import fetch_spec, open_swarm_dht, stage_costs
-from peer.profiler import available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
+from peer.profiler import MIB, available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
 from planner.stage_choice import Joiner, StageMember, assign_joiners, stage_throughputs
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
-MIB = 2**20
 JOIN_COUNTED_STATES = ("syncing", "training")  # as peer.join counts members: paused or leaving peers add nothing
 
 

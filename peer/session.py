@@ -37,6 +37,7 @@ from peer.config import PeerConfig
 from peer.event_log import EventLog
 from peer.faults import inject_corrupt_shards, inject_wrong_outputs
 from peer.membership_events import MembershipEvents
+from peer.profiler import MIB
 from peer.rebalance import RebalanceWatch
 from peer.relayout import wait_layout_change
 from peer.status.snapshot import ServiceCounters
@@ -58,7 +59,6 @@ from swarm.task_pool import MicrobatchLedger
 from swarm.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-MIB = 2**20
 LEAVE_TIMEOUT = 10.0
 GRADIENT_SYNC_TIMEOUT = 10.0  # seconds a replica waits for a silent co-replica's gradients before stepping without
 PAUSE_FILE_PERIOD = 0.5
