@@ -31,6 +31,11 @@ RATE_STATES = ("training", "paused")  # peers whose samples/s is a measurement o
 
 logger = logging.getLogger(__name__)
 SLOW_READ = 4.0  # seconds; a DHT request waits up to 5 s for a silent node (dht/node.py wait_timeout)
+# seconds a record missing from reads that may have missed it is kept after a read last showed it:
+# a DHT node behind a saturated link (a peer at 1 Mbit/s) makes read after read wait out its timeout
+# and come back with a few records or none, though every other peer still heartbeats (CI, 2026-11-26:
+# stage 0 saw no stage-1 peer for 13 s and stopped). Crashes are found sooner by the failure detector.
+CARRY_OVER = 30.0
 
 
 class SwarmView:
@@ -39,8 +44,10 @@ class SwarmView:
     def __init__(
         self, dht: hivemind.DHT, run_id: str, *, refresh_period: float = 1.0,
         on_change: Callable[[str, PeerRecord], None] = lambda kind, record: None,
+        carry_over: float = CARRY_OVER, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.dht = dht
+        self.clock, self.carry_over = clock, carry_over
         self.run_id = run_id
         self.refresh_period = refresh_period
         self.on_change = on_change  # "scale_out" / "scale_in" of a training peer, seen by a refresh
@@ -53,24 +60,45 @@ class SwarmView:
         # have missed records that exist (a peer on a slow or cut link), so its absences prove nothing
         self.complete_reads = 0
         self._departed: dict[str, float] = {}  # peer id -> announce time of the record that departed
+        self._last_seen: dict[str, float] = {}  # peer id -> the clock reading of the last read that showed it
+        self.num_carried = 0  # records kept over reads that may have missed them, all reads
         self._task: asyncio.Task | None = None
 
     async def refresh(self) -> list[PeerRecord]:
-        before = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
-        started = time.monotonic()
+        started = self.clock()
         try:
-            self.all_records = bound_claims(await fetch_peers(self.dht, self.run_id))
-            self.records = [r for r in self.all_records if self.in_layout(r)]
+            fetched = await fetch_peers(self.dht, self.run_id)
         except BaseException:
             self.complete_reads = 0
             raise
-        self.complete_reads = self.complete_reads + 1 if time.monotonic() - started < SLOW_READ else 0
+        return self.apply_read(fetched, seconds=self.clock() - started)
+
+    def apply_read(self, fetched: list[PeerRecord], *, seconds: float) -> list[PeerRecord]:
+        """Take one DHT read of the run's records (``seconds``: how long it took) as the view.
+
+        A read that waited out a DHT timeout, or found no record at all, may have missed records that
+        exist: it proves no absence. Records it lacks that a read showed within the last
+        :attr:`carry_over` seconds are kept (a crash is the failure detector's to find)."""
+        now = self.clock()
+        self.complete_reads = self.complete_reads + 1 if seconds < SLOW_READ else 0
+        for record in fetched:
+            self._last_seen[record.peer_id] = now
+        if not self.complete_reads or not fetched:
+            read = len(fetched)
+            fetched = carried_over(self.all_records, fetched, self._last_seen, since=now - self.carry_over)
+            self.num_carried += len(fetched) - read
+            if len(fetched) > read:
+                logger.debug(f"a read of {seconds:.1f}s found {read} records; kept {len(fetched) - read} it may have missed")
+        self._last_seen = {r.peer_id: self._last_seen[r.peer_id] for r in fetched}
+        before = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
+        self.all_records = bound_claims(fetched)
+        self.records = [r for r in self.all_records if self.in_layout(r)]
         after = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
         for key in after.keys() - before.keys():
             self.on_change("scale_out", after[key])
         for key in before.keys() - after.keys():
             self.on_change("scale_in", before[key])
-        self.updated_at = time.monotonic()
+        self.updated_at = now
         live = {r.peer_id for r in self.records}
         self._departed = {p: at for p, at in self._departed.items() if p in live}  # its record expired: forget
         return self.records
@@ -120,15 +148,24 @@ class SwarmView:
 
     async def _refresh_loop(self) -> None:
         while True:
-            started = time.monotonic()
+            started = self.clock()
             try:
                 await asyncio.wait_for(self.refresh(), timeout=10 * self.refresh_period)
             except Exception as e:  # a DHT hiccup must not kill the loop: keep the last view
                 logger.debug(f"swarm view refresh failed: {e!r}")
-            elapsed = time.monotonic() - started
+            elapsed = self.clock() - started
             if elapsed > self.refresh_period:
                 logger.warning(f"swarm view refresh took {elapsed:.2f}s, longer than its {self.refresh_period}s period")
             await asyncio.sleep(self.refresh_period * random.uniform(0.8, 1.2))
+
+
+def carried_over(previous: list[PeerRecord], fetched: list[PeerRecord], last_seen: dict[str, float], *,
+                 since: float) -> list[PeerRecord]:
+    """``fetched`` plus each ``previous`` record whose peer it lacks and a read showed at ``since`` or
+    later (``last_seen``), sorted by peer id like a read."""
+    found = {r.peer_id for r in fetched}
+    kept = [r for r in previous if r.peer_id not in found and last_seen.get(r.peer_id, float("-inf")) >= since]
+    return sorted([*fetched, *kept], key=lambda r: r.peer_id)
 
 
 def bound_claims(records: list[PeerRecord]) -> list[PeerRecord]:

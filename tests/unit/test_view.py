@@ -1,4 +1,5 @@
-"""SwarmView's membership filters: departed peers vanish at once and come back only with a new record."""
+"""SwarmView's membership filters: departed peers vanish at once and come back only with a new record;
+a read that may have missed records (slow, or empty) proves no absence."""
 
 from __future__ import annotations
 
@@ -33,3 +34,40 @@ def test_marking_an_unknown_peer_does_not_hide_its_future_record():
     view.mark_departed("ghost")
     view.records = [record("ghost", 0, announced_at=5.0)]
     assert [r.peer_id for r in view.members(0)] == ["ghost"]
+
+
+def test_a_slow_read_keeps_the_records_it_missed_for_the_carry_over():
+    clock = [0.0]
+    view = SwarmView(None, "run", carry_over=30.0, clock=lambda: clock[0])
+    changes = []
+    view.on_change = lambda kind, r: changes.append((kind, r.peer_id))
+    view.apply_read([record("a", 0), record("b", 1)], seconds=0.5)
+    assert view.complete_reads == 1
+    clock[0] = 20.0
+    view.apply_read([record("a", 0)], seconds=5.0)  # waited out a silent DHT node: "b" may exist
+    assert [r.peer_id for r in view.members(1)] == ["b"] and view.complete_reads == 0 and view.num_carried == 1
+    clock[0] = 25.0
+    view.apply_read([], seconds=0.2)  # fast, but found nothing at all: no proof either
+    assert [r.peer_id for r in view.records] == ["a", "b"] and view.num_carried == 3
+    clock[0] = 31.0
+    view.apply_read([record("a", 0)], seconds=5.0)  # "b" last shown at 0.0, 31 s ago
+    assert [r.peer_id for r in view.records] == ["a"]
+    assert sorted(changes[:2]) == [("scale_out", "a"), ("scale_out", "b")] and changes[2:] == [("scale_in", "b")]
+
+
+def test_a_complete_read_drops_a_missing_record_at_once():
+    clock = [0.0]
+    view = SwarmView(None, "run", clock=lambda: clock[0])
+    view.apply_read([record("a", 0), record("b", 1)], seconds=0.5)
+    clock[0] = 1.0
+    view.apply_read([record("a", 0)], seconds=0.5)
+    assert [r.peer_id for r in view.records] == ["a"] and view.num_carried == 0
+
+
+def test_a_carried_record_is_replaced_by_a_newer_one():
+    clock = [0.0]
+    view = SwarmView(None, "run", clock=lambda: clock[0])
+    view.apply_read([record("a", 0), record("b", 1)], seconds=0.5)
+    clock[0] = 5.0
+    view.apply_read([record("b", 0, announced_at=200.0)], seconds=6.0)  # "b" moved to stage 0; "a" carried
+    assert [(r.peer_id, r.stage) for r in view.records] == [("a", 0), ("b", 0)]
