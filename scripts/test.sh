@@ -4,4 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_browser.sh  # chromium, for the health page's browser test
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=8 "$@"
+# two workers (MURMURATION_TEST_WORKERS): one e2e test leaves much of two cores idle (its peers wait on
+# one another and on the network), so two side by side finish sooner (README, "Tests"); tests marked
+# with one xdist_group (the network-namespace ones) run on one worker, one after another
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${MURMURATION_TEST_WORKERS:-2}" --dist loadgroup \
+    --durations=8 "$@"

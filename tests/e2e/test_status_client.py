@@ -124,10 +124,10 @@ def closed_port() -> int:
 @pytest.mark.parametrize("address, sentence", [
     ("not-a-multiaddr", "error: 'not-a-multiaddr' is not a peer multiaddr"),
     ("/ip4/127.0.0.1/tcp/4001", "it has no /p2p/<peer id> part"),
-    (f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{SOME_PEER_ID}", "error: Cannot reach a peer at"),
-])
+    ("/ip4/127.0.0.1/tcp/{closed_port}/p2p/" + SOME_PEER_ID, "error: Cannot reach a peer at"),
+], ids=["not-a-multiaddr", "no-peer-id", "closed-port"])  # ids: every test worker collects the same names
 def test_a_bad_address_is_one_sentence_and_a_non_zero_exit(address, sentence):
-    result = status_client(address, "--timeout", "10")
+    result = status_client(address.format(closed_port=closed_port()), "--timeout", "10")
     assert result.returncode == 2
     assert sentence in result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
