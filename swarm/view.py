@@ -86,9 +86,9 @@ class SwarmView:
         if not self.complete_reads or not fetched:
             read = len(fetched)
             fetched = carried_over(self.all_records, fetched, self._last_seen, since=now - self.carry_over)
-            self.num_carried += len(fetched) - read
-            if len(fetched) > read:
-                logger.debug(f"a read of {seconds:.1f}s found {read} records; kept {len(fetched) - read} it may have missed")
+            if carried := len(fetched) - read:
+                self.num_carried += carried
+                logger.debug(f"a read of {seconds:.1f}s found {read} records; kept {carried} it may have missed")
         self._last_seen = {r.peer_id: self._last_seen[r.peer_id] for r in fetched}
         before = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
         self.all_records = bound_claims(fetched)

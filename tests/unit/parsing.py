@@ -5,7 +5,7 @@ raised while it builds the tree. A garbage collection at that moment can run a f
 raises, e.g. hivemind's ``ControlClient.__del__`` left over from an earlier test on the same pytest
 worker (CI rehearsal, 2026-11-26). ``ast.parse`` then fails with "SystemError: AST constructor
 recursion depth mismatch" on a file that is fine. So those tests collect first and hold the
-collector off while they parse (an autouse fixture in each).
+collector off while they parse: each imports :func:`no_collection_while_parsing`, autouse.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
+
+import pytest
 
 
 @contextlib.contextmanager
@@ -27,3 +29,9 @@ def collector_held() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
+
+@pytest.fixture(autouse=True)
+def no_collection_while_parsing() -> Iterator[None]:
+    """Every test of a module that imports this fixture runs with the collector held."""
+    with collector_held():
+        yield

@@ -10,12 +10,11 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.unit.parsing import collector_held
+from tests.unit.parsing import no_collection_while_parsing  # noqa: F401 (autouse here)
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("planner", "dht", "swarm", "replication", "peer")
@@ -33,13 +32,6 @@ VIEWS_MAY_IMPORT = {"peer.errors"}  # of peer/ outside peer.status
 HARNESS = "peer.harness"  # local swarms for the demo, bench/ and the tests; a running peer never loads it  # evaluated by bench/ and the tests only; the live peer never imports it
 SCRIPT_DIRS = ("bench", "scripts")  # folders of scripts (run as files, not imported as packages)
 NOT_SOURCE = ("tests",)  # top-level folders with Python files that are neither packages nor scripts
-
-
-@pytest.fixture(autouse=True)
-def no_collection_while_parsing() -> Iterator[None]:
-    """tests/unit/parsing.py: CPython 3.11's ast.parse fails if a finalizer raises inside it."""
-    with collector_held():
-        yield
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -93,22 +85,20 @@ def import_targets(node: ast.Import | ast.ImportFrom, *, module: str, is_package
 
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the modules of ours it imports anywhere in its source."""
-    return {module: imports_of(module, path, modules) for module, path in modules.items()}
-
-
-def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The modules of ours that ``module`` (at ``path``) imports anywhere in its source."""
-    script_dir = module.rsplit(".", 1)[0] if path.parent.name in SCRIPT_DIRS else None
-    edges = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if not isinstance(node, ast.Import | ast.ImportFrom):
-            continue
-        for target in import_targets(node, module=module, is_package=path.name == "__init__.py"):
-            if target not in modules and script_dir is not None:
-                target = f"{script_dir}.{target}"  # a bench script importing its sibling
-            if target in modules and target != module:
-                edges.add(target)
-    return edges
+    graph = {}
+    for module, path in modules.items():
+        script_dir = module.rsplit(".", 1)[0] if path.parent.name in SCRIPT_DIRS else None
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            for target in import_targets(node, module=module, is_package=path.name == "__init__.py"):
+                if target not in modules and script_dir is not None:
+                    target = f"{script_dir}.{target}"  # a bench script importing its sibling
+                if target in modules and target != module:
+                    edges.add(target)
+        graph[module] = edges
+    return graph
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

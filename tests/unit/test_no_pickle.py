@@ -23,12 +23,11 @@ import ast
 import importlib
 import inspect
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.unit.parsing import collector_held
+from tests.unit.parsing import no_collection_while_parsing  # noqa: F401 (autouse here)
 
 REPO = Path(__file__).resolve().parents[2]
 OUR_CODE = [*(REPO / name for name in ("dht", "swarm", "replication", "peer", "planner")),
@@ -57,13 +56,6 @@ def our_sources() -> list[Path]:
     for path in OUR_CODE:
         files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
     return files
-
-
-@pytest.fixture(autouse=True)
-def no_collection_while_parsing() -> Iterator[None]:
-    """tests/unit/parsing.py: CPython 3.11's ast.parse fails if a finalizer raises inside it."""
-    with collector_held():
-        yield
 
 
 def pickle_uses(source: str) -> list[str]:
