@@ -34,9 +34,16 @@ every stage-0 microbatch event written by then, summed over peers. For each mode
 Prints one JSON line per mode and mark, then a markdown table for BENCHMARKS.md with the command,
 date, load average and nproc. Logs and metrics files stay under ``--workdir``.
 
-Left out: one seed per mode (no spread over repeats); ``--bootstrap-args`` changes the process modes
+Data order: under the default ``replica_sync = "gradients"`` every mode draws position ``k`` of batch
+``b`` from the run seed alone (``TokenSampler.sample_slot``), so single (``--seed 0``, the run's seed)
+and every process mode train on the same samples in the same batches, and a gap measures the
+swarm's mechanics, not a different data order. ``--seed 1`` gives single another data order: the
+spread that order alone makes (under ``--bootstrap-args "--replica-sync periodic"`` each peer draws
+its own samples, as before).
+
+Left out: one run per mode (no spread over repeats); ``--bootstrap-args`` changes the process modes
 only, single always trains the default spec; peers' stage choice and averaging timing are whatever
-the run negotiates, so two runs of a process mode do not see the same data order.
+the run negotiates.
 """
 
 from __future__ import annotations
@@ -231,10 +238,10 @@ def train_single(*, max_samples: int, eval_every: int, eval_sequences: int, seed
     per_step = spec.target_batch_size // spec.microbatch_size
     microbatches: list[dict[str, Any]] = []
     evals = [{"t": time.time(), "stage": 0, "samples": 0, "val_loss": heldout_loss(model, heldout)}]
-    started, samples, next_eval = time.monotonic(), 0, eval_every
+    started, samples, next_eval, optimizer_steps = time.monotonic(), 0, eval_every, 0
     while samples < max_samples:
-        for _ in range(per_step):
-            inputs, targets = sampler.sample(spec.microbatch_size)
+        for slot in range(per_step):  # the batch's positions, drawn as the swarm's stage-0 replicas draw them
+            inputs, targets = sampler.sample_slot(spec.microbatch_size, seed=seed, batch=optimizer_steps, slot=slot)
             loss = next_token_loss(model(inputs), targets)
             (loss / per_step).backward()
             samples += spec.microbatch_size
@@ -243,6 +250,7 @@ def train_single(*, max_samples: int, eval_every: int, eval_sequences: int, seed
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        optimizer_steps += 1
         if samples >= next_eval or samples >= max_samples:
             evals.append({"t": time.time(), "stage": 0, "samples": samples, "val_loss": heldout_loss(model, heldout)})
             next_eval = (samples // eval_every + 1) * eval_every
@@ -391,7 +399,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-sequences", type=int, default=256, help="held-out sequences (default 256)")
     parser.add_argument("--max-seconds", type=float, default=1200.0, help="per process mode (default 1200)")
     parser.add_argument("--single-threads", type=int, default=2, help="torch threads of single (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="data order of single, and swarm_churn's trace (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="data order of single (0: the run seed, the swarm's order), and swarm_churn's trace (default 0)")
     parser.add_argument("--bootstrap-args", default="", help="extra run_bootstrap.py flags, one string (shlex)")
     parser.add_argument("--workdir", default=f"runs/convergence-{time.strftime('%Y%m%d-%H%M%S')}",
                         help="logs and metrics of the process modes")

@@ -233,7 +233,7 @@ class StageSession:
                        max_in_flight=config.max_in_flight, on_microbatch=self._on_microbatch,
                        on_event=self._on_stage_event, sticky=replay, eval_every=config.eval_every,
                        heldout=sampler.heldout_batches(config.eval_sequences, spec.microbatch_size),
-                       batch_share=self.gradient_sync and self.gradient_sync.share,
+                       batch_slots=self.gradient_sync and self.gradient_sync.slots,
                        stage_flops=[stage_flops_per_sample(spec, k) for k in range(spec.num_stages)])
 
     async def serve(self, stop: asyncio.Event) -> Transition | None:

@@ -55,8 +55,18 @@ def load_corpus(dataset: str, paths: Sequence[str] = ()) -> bytes:
 class TokenSampler:
     """Random windows of a byte corpus: inputs and their next-token targets.
 
-    Each data-owning peer seeds its own generator (run seed, peer id), so peers draw different
-    windows; the last ``VALIDATION_FRACTION`` of the corpus is held out for evaluation.
+    Two ways to draw, one per training semantics (docs/convergence.md):
+
+    * :meth:`sample` draws from this sampler's own generator, which each data-owning peer seeds with
+      (run seed, peer id), so peers draw different windows (``replica_sync = "periodic"``: every
+      replica trains on its own data);
+    * :meth:`sample_slot` draws the microbatch at one position of one batch of the run, from a
+      generator seeded by (run seed, batch, position) alone: under ``replica_sync = "gradients"`` a
+      batch is the whole swarm's, so whichever stage-0 replica injects position ``k`` of batch ``b``
+      draws the same windows, replicas never draw the same position twice, and one process that
+      steps on the same seed sees the same samples in the same batches.
+
+    The last ``VALIDATION_FRACTION`` of the corpus is held out for evaluation.
     """
 
     def __init__(self, corpus: bytes, *, seq_len: int, seed: int) -> None:
@@ -84,8 +94,17 @@ class TokenSampler:
 
     def sample(self, batch_size: int, *, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A microbatch: int64 ``inputs`` and ``targets`` of shape ``(batch_size, seq_len)``."""
-        tokens = self.val_tokens if validation else self.train_tokens
-        starts = self._rng.integers(0, len(tokens) - self.seq_len, size=batch_size)  # last start: len - seq_len - 1
+        return self._windows(self._rng, batch_size, self.val_tokens if validation else self.train_tokens)
+
+    def sample_slot(self, batch_size: int, *, seed: int, batch: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training microbatch at position ``slot`` of batch ``batch`` of a run seeded ``seed``:
+        the same windows in every process, whatever this sampler's own seed."""
+        if min(seed, batch, slot) < 0:
+            raise ValueError(f"seed, batch and slot must not be negative (got {seed}, {batch}, {slot})")
+        return self._windows(np.random.default_rng([seed, batch, slot]), batch_size, self.train_tokens)
+
+    def _windows(self, rng: np.random.Generator, batch_size: int, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = rng.integers(0, len(tokens) - self.seq_len, size=batch_size)  # last start: len - seq_len - 1
         windows = np.stack([tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         return torch.from_numpy(windows[:, :-1]), torch.from_numpy(windows[:, 1:])
 

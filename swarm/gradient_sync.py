@@ -2,7 +2,8 @@
 
 Under the run spec's ``replica_sync = "gradients"`` (the default) one optimizer step is one batch of
 ``target_batch_size`` samples *for the whole swarm*, as in one process: the stage-0 replicas split
-each batch's microbatches among themselves (:func:`batch_share`), and when a replica closes batch
+each batch's microbatches among themselves (:func:`batch_slots`; each draws the samples of its
+positions, :meth:`swarm.data.TokenSampler.sample_slot`), and when a replica closes batch
 ``b`` it sends the sum of its gradients of that batch (and how many microbatches it holds) to each of
 its co-replicas and waits for theirs. Every replica adds the contributions in the same order (sorted
 peer ids), divides by the total number of microbatches and steps; so replicas that held the same
@@ -78,12 +79,12 @@ def gradients_handler(namespace: str, stage: int) -> str:
     return f"{namespace}.grads{stage}"
 
 
-def batch_share(num_microbatches: int, members: Sequence[str], peer_id: str) -> int:
-    """Microbatches of one batch that ``peer_id`` injects: microbatch ``j`` goes to the member at
-    position ``j mod n`` of the sorted ``members`` (``peer_id`` counts even if the view lacks it)."""
+def batch_slots(num_microbatches: int, members: Sequence[str], peer_id: str) -> list[int]:
+    """The positions in one batch whose microbatches ``peer_id`` injects: position ``j`` goes to the
+    member at index ``j mod n`` of the sorted ``members`` (``peer_id`` counts even if the view lacks it)."""
     ordered = sorted(set(members) | {peer_id})
     index, count = ordered.index(peer_id), len(ordered)
-    return len(range(index, num_microbatches, count))
+    return list(range(index, num_microbatches, count))
 
 
 def wait_limit(typical_wait: float | None, timeout: float) -> float:
@@ -180,9 +181,9 @@ class GradientSync:
     def co_replicas(self) -> list[str]:
         return sorted(r.peer_id for r in self.view.members(self.stage.index) if r.peer_id != self.peer_id)
 
-    def share(self, num_microbatches: int) -> int:
-        """This replica's part of a stage-0 batch (see :func:`batch_share`)."""
-        return batch_share(num_microbatches, self.co_replicas(), self.peer_id)
+    def slots(self, num_microbatches: int) -> list[int]:
+        """This replica's positions in a stage-0 batch (see :func:`batch_slots`)."""
+        return batch_slots(num_microbatches, self.co_replicas(), self.peer_id)
 
     async def combine(self, batch: int, gradients: torch.Tensor, count: int, weights: str = "") -> tuple[torch.Tensor, int]:
         """Send this replica's contribution to batch ``batch`` to every co-replica, wait for theirs

@@ -20,6 +20,7 @@ de-duplicates (what SWARM does).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
@@ -55,7 +56,7 @@ class Trainer:
         sticky: bool = True,
         heldout: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
         eval_every: int = 0,
-        batch_share: Callable[[int], int] | None = None,
+        batch_slots: Callable[[int], Sequence[int]] | None = None,
     ) -> None:
         if not stage.is_first:
             raise ValueError("only stage 0 owns data and injects microbatches")
@@ -71,12 +72,13 @@ class Trainer:
         self.num_unrouted = 0
         self.is_paused = False  # injects no new microbatch while set; in-flight ones finish
         self._ids = itertools.count()
-        self._batch_left: int | None = None  # flush: microbatches of the current batch not drawn yet
+        self._slots: collections.deque[int] | None = None  # flush: positions of the current batch not drawn yet
+        self._batch = 0  # flush: the batch being drawn (the stage's weight version when it began)
         self.heldout, self.eval_every = list(heldout), eval_every  # held-out microbatches, samples between evaluations
         self._next_eval, self._num_evals = 0, 0
-        # replica_sync "gradients": this replica's part of a swarm batch of that many microbatches
-        # (swarm.gradient_sync.GradientSync.share); None: the whole batch
-        self.batch_share = batch_share
+        # replica_sync "gradients": this replica's positions in a swarm batch of that many microbatches
+        # (swarm.gradient_sync.GradientSync.slots); None: the whole batch
+        self.batch_slots = batch_slots
         self.last_val_loss = math.nan
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -102,17 +104,25 @@ class Trainer:
         per_batch = -(-stage.spec.target_batch_size // stage.spec.microbatch_size)
         while not stop.is_set():
             await self.maybe_evaluate()
-            share = self.batch_share(per_batch) if stage.exchanges_gradients and self.batch_share else per_batch
-            self._batch_left = share
+            share = self.begin_batch(per_batch)
             async with asyncio.TaskGroup() as group:
                 for lane in range(min(self.max_in_flight, share)):
                     group.create_task(self._lane(stop, lane))
-            if stop.is_set() and self._batch_left:
+            if stop.is_set() and self._slots:
                 break  # stopped mid-batch: the co-replicas finish this batch without this replica
             if stage.exchanges_gradients:
                 await stage.close_batch()
             else:
                 await stage.wait_step_done()
+
+    def begin_batch(self, per_batch: int) -> int:
+        """Start drawing the next batch (``flush``) of ``per_batch`` microbatches: this replica's
+        positions in it (all of them unless the stage exchanges gradients with co-replicas), drawn by
+        :meth:`next_task` from now on; returns how many."""
+        stage = self.stage
+        slots = self.batch_slots(per_batch) if stage.exchanges_gradients and self.batch_slots else range(per_batch)
+        self._slots, self._batch = collections.deque(slots), stage.version
+        return len(self._slots)
 
     async def _lane(self, stop: asyncio.Event, lane: int) -> None:
         await asyncio.sleep(0.05 * lane)  # stagger lanes so they do not hit the pipeline in lockstep
@@ -120,7 +130,7 @@ class Trainer:
             if self.is_paused:
                 await asyncio.sleep(PAUSE_POLL_PERIOD)
                 continue
-            if self._batch_left == 0 and not len(self.pool):
+            if self._slots is not None and not self._slots and not len(self.pool):
                 return  # flush: this batch is drawn and nothing of it waits for a replay
             task = self.next_task()
             if task is None:  # only replays wait, not ready yet
@@ -131,7 +141,7 @@ class Trainer:
             except NoPeerAvailableError as e:
                 self.num_unrouted += 1
                 logger.debug(str(e))
-            if lane == 0 and self._batch_left is None:  # delayed: evaluate between this lane's microbatches
+            if lane == 0 and self._slots is None:  # delayed: evaluate between this lane's microbatches
                 await self.maybe_evaluate()
 
     async def maybe_evaluate(self) -> None:
@@ -177,16 +187,22 @@ class Trainer:
             if not self.sticky:
                 task.path = None  # the baseline starts over on a new route
             return task
-        if len(self.pool) >= self.max_in_flight or self._batch_left == 0:
+        if len(self.pool) >= self.max_in_flight or (self._slots is not None and not self._slots):
             return None
-        if self._batch_left is not None:
-            self._batch_left -= 1
-        return self.new_task()
+        return self.new_task(None if self._slots is None else self._slots.popleft())
 
-    def new_task(self) -> Task:
-        inputs, targets = self.sampler.sample(self.stage.spec.microbatch_size)
+    def new_task(self, slot: int | None = None) -> Task:
+        """A new microbatch. Under ``replica_sync = "gradients"`` the one at position ``slot`` of the
+        batch being drawn, the same in every process (:meth:`TokenSampler.sample_slot`); otherwise
+        (or without a ``slot``) the next of this peer's own draws."""
+        spec = self.stage.spec
+        if slot is not None and self.stage.syncs_gradients:
+            inputs, targets = self.sampler.sample_slot(spec.microbatch_size, seed=spec.seed, batch=self._batch, slot=slot)
+        else:
+            inputs, targets = self.sampler.sample(spec.microbatch_size)
         task = Task(f"{self.peer_id[-8:]}:{next(self._ids)}", inputs, targets)
-        self.on_event("injected", mb_id=task.mb_id, samples=task.batch_size)
+        self.on_event("injected", mb_id=task.mb_id, samples=task.batch_size,
+                      **({"batch": self._batch, "slot": slot} if slot is not None else {}))
         return task
 
     async def run_microbatch(self) -> float:

@@ -39,7 +39,7 @@ async def open_replica(dht, validator, seed: int) -> tuple[Trainer, GradientSync
     sync = GradientSync(await dht.replicate_p2p(), view, stage, peer_id=peer_id, timeout=TIMEOUT,
                         max_payload_bytes=1 << 24)
     await sync.start()
-    return Trainer(stage, sampler(seed), None, peer_id=peer_id, max_in_flight=2, batch_share=sync.share), sync
+    return Trainer(stage, sampler(seed), None, peer_id=peer_id, max_in_flight=2, batch_slots=sync.slots), sync
 
 
 async def wait_views(replicas, num_members: int) -> None:
@@ -55,8 +55,8 @@ async def wait_views(replicas, num_members: int) -> None:
 async def train_batch(trainer: Trainer) -> list[torch.Tensor]:
     """This replica's share of one batch, then the batch's close; the inputs it drew."""
     drawn = []
-    for _ in range(trainer.batch_share(PER_BATCH)):
-        task = trainer.new_task()
+    assert trainer.begin_batch(PER_BATCH) == PER_BATCH // 2
+    while (task := trainer.next_task()) is not None:
         drawn.append((task.inputs, task.targets))
         await trainer.run_task(task)
     await trainer.stage.close_batch()
@@ -79,10 +79,14 @@ def test_replicas_step_as_one_process_on_the_swarm_batch(dht_nodes):
     async def main() -> list[Trainer]:
         replicas = [await open_replica(dht1, v1, seed=1), await open_replica(dht2, v2, seed=2)]
         await wait_views(replicas, 2)
-        assert [t.batch_share(PER_BATCH) for t, _ in replicas] == [PER_BATCH // 2] * 2
+        data = sampler(0)
         for batch in range(NUM_BATCHES):
             drawn = await asyncio.wait_for(asyncio.gather(*(train_batch(t) for t, _ in replicas)), 60)
-            one_process_step(reference, optimizer, [mb for part in drawn for mb in part])
+            # the replicas drew the batch's positions between them, each once: the batch one process
+            # draws on the run's seed (swarm.data.TokenSampler.sample_slot)
+            whole = [data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=batch, slot=k) for k in range(PER_BATCH)]
+            assert sorted(x[0].tolist() for part in drawn for x in part) == sorted(x[0].tolist() for x in whole)
+            one_process_step(reference, optimizer, whole)
             digests = [await t.stage.run(t.stage.params_digest) for t, _ in replicas]
             assert digests[0] == digests[1], f"replicas differ after batch {batch}"
             assert [t.stage.version for t, _ in replicas] == [batch + 1] * 2

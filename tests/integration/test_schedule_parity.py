@@ -38,14 +38,17 @@ def sampler() -> TokenSampler:
     return TokenSampler(load_corpus(SPEC.dataset), seq_len=SPEC.model.seq_len, seed=5)
 
 
-def one_process_losses(num_microbatches: int) -> list[float]:
+def one_process_losses(num_microbatches: int, *, own_draws: bool = False) -> list[float]:
     """The same two stages in one process: a step every PER_STEP microbatches, each stage clipped
-    on its own as a stage replica clips (swarm.stage.Stage._step_sync)."""
+    on its own as a stage replica clips (swarm.stage.Stage._step_sync). The microbatches are the
+    run's positions in each batch (``gradients``), or with ``own_draws`` the sampler's own sequence
+    (what one stage-0 peer draws under ``periodic``)."""
     stages = [StageModel(SPEC, 0), StageModel(SPEC, 1)]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=SPEC.lr, weight_decay=SPEC.weight_decay) for m in stages]
     data, losses = sampler(), []
     for index in range(num_microbatches):
-        inputs, targets = data.sample(SPEC.microbatch_size)
+        inputs, targets = (data.sample(SPEC.microbatch_size) if own_draws else
+                           data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=index // PER_STEP, slot=index % PER_STEP))
         loss = next_token_loss(stages[1](stages[0](inputs)), targets)
         (loss / PER_STEP).backward()
         losses.append(loss.item())
@@ -96,7 +99,7 @@ def test_flush_pipeline_matches_one_process_loss_for_loss(dht_nodes):
 def test_delayed_pipeline_departs_from_one_process(dht_nodes):
     """The claim above could fail: under ``delayed``, the microbatches drawn while the first batch is
     in flight are computed on the initial weights, and the curve departs from one process's."""
-    expected = one_process_losses(NUM_STEPS * PER_STEP)
+    expected = one_process_losses(NUM_STEPS * PER_STEP, own_draws=True)
     got, _ = asyncio.run(pipeline_losses(dht_nodes, dataclasses.replace(SPEC, pipeline_schedule="delayed", replica_sync="periodic"),
                                          NUM_STEPS * PER_STEP))
     assert got[:PER_STEP] == pytest.approx(expected[:PER_STEP], rel=LOSS_TOLERANCE)  # the first batch: same weights
@@ -114,9 +117,9 @@ def test_heldout_loss_through_the_pipeline_is_one_process_loss(dht_nodes):
     reference = [StageModel(SPEC, 0), StageModel(SPEC, 1)]  # one process, two steps on the same data
     optimizers = [torch.optim.AdamW(m.parameters(), lr=SPEC.lr, weight_decay=SPEC.weight_decay) for m in reference]
     data = sampler()
-    for _ in range(2):
-        for _ in range(PER_STEP):
-            inputs, targets = data.sample(SPEC.microbatch_size)
+    for step in range(2):
+        for slot in range(PER_STEP):
+            inputs, targets = data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=step, slot=slot)
             (next_token_loss(reference[1](reference[0](inputs)), targets) / PER_STEP).backward()
         for model, optimizer in zip(reference, optimizers):
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP_NORM)

@@ -72,6 +72,18 @@ def test_same_seed_same_batches_other_seed_other_batches(corpus):
     assert not torch.equal(a.sample(4)[0], first_a[0])  # the stream moves on
 
 
+def test_a_batch_position_draws_the_same_windows_whatever_the_samplers_own_seed(corpus):
+    a, b = TokenSampler(corpus, seq_len=16, seed=7), TokenSampler(corpus, seq_len=16, seed=8)
+    a.sample(4)  # the sampler's own stream does not move the positions' draws
+    first = a.sample_slot(4, seed=0, batch=3, slot=1)
+    assert all(torch.equal(x, y) for x, y in zip(first, b.sample_slot(4, seed=0, batch=3, slot=1)))
+    others = [b.sample_slot(4, seed=s, batch=k, slot=j) for s, k, j in ((1, 3, 1), (0, 4, 1), (0, 3, 0))]
+    assert not any(torch.equal(first[0], other[0]) for other in others)  # run seed, batch, position each matter
+    assert torch.equal(first[1][:, :-1], first[0][:, 1:])  # targets are the inputs shifted by one
+    with pytest.raises(ValueError, match="must not be negative"):
+        a.sample_slot(4, seed=0, batch=-1, slot=0)
+
+
 @pytest.mark.parametrize("size, seq_len", [(0, 4), (10, 4), (200, 64)])
 def test_corpus_too_short_raises_data_error(size, seq_len):
     with pytest.raises(DataError):

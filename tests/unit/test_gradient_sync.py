@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dht.records import ModelSpec, RunSpec
-from swarm.gradient_sync import add_in_order, batch_share, choose_source
+from swarm.gradient_sync import add_in_order, batch_slots, choose_source
 from swarm.stage import Stage
 
 SPEC = RunSpec(run_id="g", model=ModelSpec(d_model=16, num_layers=2, num_heads=2, seq_len=8),
@@ -21,11 +21,13 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("members, shares", [(1, [4]), (2, [2, 2]), (3, [2, 1, 1]), (5, [1, 1, 1, 1, 0])])
 def test_shares_cover_the_batch_once(members, shares):
     ids = [f"peer{i}" for i in range(members)]
-    assert [batch_share(4, ids, p) for p in ids] == shares
+    slots = [batch_slots(4, ids, p) for p in ids]
+    assert [len(s) for s in slots] == shares
+    assert sorted(k for s in slots for k in s) == [0, 1, 2, 3]
 
 
 def test_a_replica_missing_from_its_own_view_still_takes_a_share():
-    assert batch_share(4, ["b"], "a") == 2 and batch_share(4, ["a"], "b") == 2
+    assert batch_slots(4, ["b"], "a") == [0, 2] and batch_slots(4, ["a"], "b") == [1, 3]
 
 
 def test_contributions_add_up_to_the_same_bits_in_any_arrival_order():
