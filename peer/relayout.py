@@ -347,7 +347,7 @@ async def _pull_piece(
     if not donors:
         logger.warning(f"nobody holds or keeps a backup of old stage {stage}: its layers restart from the run seed")
         return None
-    deadline = time.monotonic() + patience
+    deadline = watch.clock() + patience  # the peer's clock, as the watch reads it
     while True:
         for peer_id, kind in donors:
             try:
@@ -357,7 +357,7 @@ async def _pull_piece(
                 logger.info(f"could not pull old stage {stage} from {peer_id[-6:]} ({kind}): {e}")
                 continue
             return StatePiece(spec=spec, stage=stage, state=result.state, source=f"{kind}:{peer_id}")
-        if time.monotonic() > deadline:
+        if watch.clock() > deadline:
             logger.warning(f"no holder of old stage {stage} served it within {patience:.0f} s: "
                            "its layers restart from the run seed")
             return None

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,6 +82,7 @@ class PeerContext:
         reputation: strikes and bans of misbehaving peers, or None (``--ban-strikes 0``).
         faults: test-only misbehaviour (``peer.faults``).
         corpus: the training data (stage 0 samples from it).
+        clock: seconds, monotonic: what the session's loops time themselves with.
     """
 
     config: PeerConfig
@@ -95,6 +97,7 @@ class PeerContext:
     reputation: Reputation | None
     faults: dict[str, str]
     corpus: bytes
+    clock: Callable[[], float] = time.monotonic
 
 
 class SessionHost(Protocol):
@@ -224,7 +227,7 @@ class StageSession:
                       next_stage_flops=stage_flops_per_sample(spec, index + 1),
                       request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                       rng=random.Random(f"{spec.seed}:{ctx.peer_id}"), sticky=replay,
-                      max_attempts=3 if replay else 1, reputation=ctx.reputation, spot_checker=checker)
+                      max_attempts=3 if replay else 1, reputation=ctx.reputation, spot_checker=checker, clock=ctx.clock)
 
     def _new_trainer(self, replay: bool) -> Trainer:
         ctx, spec, config, stage = self.ctx, self.spec, self.ctx.config, self.stage
@@ -255,15 +258,16 @@ class StageSession:
         watches = []
         if config.rebalance_period > 0 and config.stage < 0:  # a peer pinned with --stage stays
             rebalance = RebalanceWatch(ctx.view, self.spec, peer_id=ctx.peer_id, period=config.rebalance_period,
-                                       min_gain=config.rebalance_min_gain, on_check=self._rebalance_checked)
+                                       min_gain=config.rebalance_min_gain, on_check=self._rebalance_checked, clock=ctx.clock)
             watches.append(self._spawn("rebalance", rebalance.wait(self.host.is_training, self.host.check_memory)))
-        self.watch = RescueWatch(ctx.view, self.spec, peer_id=ctx.peer_id, settle=config.heartbeat_ttl / 2)
+        self.watch = RescueWatch(ctx.view, self.spec, peer_id=ctx.peer_id, settle=config.heartbeat_ttl / 2, clock=ctx.clock,
+                                 rng=random.Random(f"rescue:{ctx.peer_id}"))
         watches.append(self._spawn("rescue", self.watch.wait_verified_rescue(self._answers_ping,
                                                                             on_skipped=self._rescue_skipped)))
         watches.append(self._spawn("layout", wait_layout_change(
             ctx.view, self.spec, ctx.base_spec, self.watch, peer_id=ctx.peer_id, stage=self.stage.index,
             replan_after=config.replan_after, is_working=self.host.is_working,
-            is_answering=self._answers_ping, max_in_flight=config.max_in_flight)))
+            is_answering=self._answers_ping, max_in_flight=config.max_in_flight, clock=ctx.clock)))
         await self._wait_stop(stop)
         stop_tasks.set()
         for watch in reversed(watches):  # a layout change outranks a rescue, a rescue a rebalance
@@ -372,25 +376,25 @@ class StageSession:
     # --- the session's loops ------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        config = self.ctx.config
+        config, clock, jitter = self.ctx.config, self.ctx.clock, random.Random(f"heartbeat:{self.ctx.peer_id}")
         while not self._stop.is_set():
-            started = time.monotonic()
+            started = clock()
             try:
                 await asyncio.wait_for(self.host.heartbeat(), timeout=config.heartbeat_ttl / 2)
             except Exception as e:
                 logger.warning(f"heartbeat failed: {e!r}")
-            elapsed = time.monotonic() - started
+            elapsed = clock() - started
             if elapsed > config.heartbeat_period:
                 logger.warning(f"heartbeat took {elapsed:.2f}s, longer than its {config.heartbeat_period}s period")
-            await asyncio.sleep(config.heartbeat_period * random.uniform(0.8, 1.2))
+            await asyncio.sleep(config.heartbeat_period * jitter.uniform(0.8, 1.2))
 
     async def _status_loop(self) -> None:
         """A log line and a ``status`` event every ``--status-period`` seconds."""
         view, spec, config = self.ctx.view, self.spec, self.ctx.config
-        last_samples, last_time = 0, time.monotonic()
+        last_samples, last_time = 0, self.ctx.clock()
         while not self._stop.is_set():
             await asyncio.sleep(config.status_period)
-            counters, now = self.stage.counters, time.monotonic()
+            counters, now = self.stage.counters, self.ctx.clock()
             tokens_per_s = (counters.num_samples - last_samples) * spec.model.seq_len / (now - last_time)
             last_samples, last_time = counters.num_samples, now
             per_stage = [len(view.members(k)) for k in range(spec.num_stages)]
@@ -415,14 +419,14 @@ class StageSession:
 
     async def write_checkpoint(self) -> None:
         """This stage's state to ``--checkpoint-dir``, atomically (a crash keeps the previous one)."""
-        started, stage, spec = time.monotonic(), self.stage, self.spec
+        started, stage, spec = self.ctx.clock(), self.stage, self.spec
         state = await stage.run(stage.state_tensors)
         version = int(state["counters.num_steps"])  # the state's own step: the stage may step while this writes
         path = checkpoint_path(self.ctx.config.checkpoint_dir, spec.namespace, stage.index)
         self.checkpoint_progress = WriteProgress()
         await asyncio.to_thread(save_checkpoint, path, state, spec=spec, stage=stage.index, version=version,
                                 progress=self.checkpoint_progress)
-        seconds = time.monotonic() - started
+        seconds = self.ctx.clock() - started
         logger.info(f"checkpoint of stage {stage.index} step {version} written to {path} in {seconds:.2f} s")
         self.ctx.metrics.write("checkpoint", stage=stage.index, version=version, seconds=seconds,
                                bytes=path.stat().st_size, path=str(path))
