@@ -1,6 +1,6 @@
 """Tokens/s of a 2-stage swarm on loopback against single-process training of the same model.
 
-    python bench/pipeline_overhead.py [--seconds 60] [--repeats 1]
+    python bench/pipeline_overhead.py [--seconds 60] [--repeats 1] [--with-delayed]
 
 Both sides train the default run spec (GPT d_model=128, 4 layers, seq_len 64, microbatch 16, AdamW,
 step every 64 samples) on the default corpus, on this machine, in one run:
@@ -11,9 +11,15 @@ step every 64 samples) on the default corpus, on this machine, in one run:
 * swarm:  run_bootstrap.py + one run_peer.py per stage (negotiated), one torch thread each, so the
           swarm uses the same cores; tokens/s counted at stage 0 from the peers' metrics files.
 
-Each measurement skips a warm-up and then counts over ``--seconds``. With ``--repeats N`` the two are
-alternated (single, swarm, single, swarm, ...) and the medians are reported. Prints one JSON line:
-``{"bench": "pipeline_overhead", "swarm_tokens_per_s", "single_tokens_per_s", "ratio", ...}``.
+``--with-delayed`` also measures the swarm under the first round's training semantics
+(``--pipeline-schedule delayed --replica-sync periodic``: microbatches keep flowing across steps on
+one-step-stale weights) right after the default one, so the two schedules' tokens/s are compared
+side by side: what the default's learning per sample (docs/convergence.md) costs in speed.
+
+Each measurement skips a warm-up and then counts over ``--seconds``. With ``--repeats N`` the sides are
+alternated (single, swarm[, delayed], single, swarm, ...) and the medians are reported. Prints one JSON
+line: ``{"bench": "pipeline_overhead", "swarm_tokens_per_s", "single_tokens_per_s", "ratio", ...}``
+(with ``--with-delayed`` also ``delayed_tokens_per_s``, ``delayed_ratio`` and ``swarm_vs_delayed``).
 """
 
 from __future__ import annotations
@@ -65,12 +71,15 @@ def single_tokens_per_s(seconds: float, num_threads: int) -> float:
             return tokens / (now - counting_since)
 
 
-def swarm_tokens_per_s(seconds: float, workdir: Path) -> float:
+DELAYED = ("--pipeline-schedule", "delayed", "--replica-sync", "periodic")  # the first round's semantics
+
+
+def swarm_tokens_per_s(seconds: float, workdir: Path, bootstrap_args: tuple[str, ...] = ()) -> float:
     """A bootstrap and two peers (one per stage) as processes; tokens/s through stage 0."""
     from peer.harness.local_swarm import LocalSwarm, wait_for
 
     with LocalSwarm(workdir) as swarm:
-        swarm.start_bootstrap("--num-stages", "2")
+        swarm.start_bootstrap("--num-stages", "2", *bootstrap_args)
         peers = [swarm.start_peer("--num-threads", "1") for _ in range(2)]
         wait_for(lambda: all(p.events("status") for p in peers), 120, "both peers to train")
         start = time.time() + WARMUP_SECONDS
@@ -85,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds per side (default 60)")
     parser.add_argument("--repeats", type=int, default=1, help="alternating repetitions (default 1)")
+    parser.add_argument("--with-delayed", action="store_true", help="also measure the swarm under " + " ".join(DELAYED))
     parser.add_argument("--single-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cores = os.cpu_count() or 1
@@ -92,7 +102,7 @@ def main() -> None:
         threads = sorted({1, cores})
         print(json.dumps({str(n): single_tokens_per_s(args.seconds, n) for n in threads}))
         return
-    singles, swarms, single_by_threads = [], [], []
+    singles, swarms, delayed, single_by_threads = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="pipeline-overhead-") as tmp:
         for repeat in range(args.repeats):
             out = subprocess.run([sys.executable, __file__, "--single-worker", "--seconds", str(args.seconds)],
@@ -101,12 +111,18 @@ def main() -> None:
             singles.append(max(by_threads.values()))
             single_by_threads.append(by_threads)
             swarms.append(swarm_tokens_per_s(args.seconds, Path(tmp) / f"swarm{repeat}"))
+            if args.with_delayed:
+                delayed.append(swarm_tokens_per_s(args.seconds, Path(tmp) / f"delayed{repeat}", DELAYED))
     single, swarm = statistics.median(singles), statistics.median(swarms)
+    compared = {} if not delayed else {
+        "delayed_tokens_per_s": round(statistics.median(delayed), 1),
+        "delayed_ratio": round(statistics.median(delayed) / single, 3),
+        "swarm_vs_delayed": round(swarm / statistics.median(delayed), 3), "delayed_runs": [round(x, 1) for x in delayed]}
     print(json.dumps({
         "bench": "pipeline_overhead", "swarm_tokens_per_s": round(swarm, 1), "single_tokens_per_s": round(single, 1),
         "ratio": round(swarm / single, 3), "seconds": args.seconds, "repeats": args.repeats, "cores": cores,
         "swarm_runs": [round(x, 1) for x in swarms],
-        "single_runs_by_threads": [{k: round(v, 1) for k, v in r.items()} for r in single_by_threads],
+        "single_runs_by_threads": [{k: round(v, 1) for k, v in r.items()} for r in single_by_threads], **compared,
     }))
 
 
