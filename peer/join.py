@@ -71,13 +71,14 @@ async def open_swarm_dht(config: PeerConfig, *, is_visitor: bool = False) -> tup
         raise UserError(f"Cannot reach the swarm: {e}; check that the bootstrap is running and its multiaddr is right.") from e
 
 
-async def fetch_spec(dht: hivemind.DHT, run_id: str, *, timeout: float) -> RunSpec:
-    """The run's spec, polled until ``timeout``; several conflicting specs → the first by publisher key.
+async def fetch_spec(dht: hivemind.DHT, run_id: str, *, timeout: float,
+                     clock: Callable[[], float] = time.monotonic) -> RunSpec:
+    """The run's spec, polled until ``timeout`` (on ``clock``); several conflicting specs → the first by publisher key.
 
     Raises:
         UserError: nobody in this swarm serves ``run_id``.
     """
-    deadline = time.monotonic() + timeout
+    deadline = clock() + timeout
     while True:
         specs = await fetch_run_specs(dht, run_id)
         if specs:
@@ -87,7 +88,7 @@ async def fetch_spec(dht: hivemind.DHT, run_id: str, *, timeout: float) -> RunSp
                 raise UserError(f"Run '{run_id}' speaks Murmuration protocol {specs[0].protocol_version} and this peer "
                                 f"speaks {PROTOCOL_VERSION}; install the Murmuration version the run's bootstrap runs.")
             return specs[0]
-        if time.monotonic() >= deadline:
+        if clock() >= deadline:
             break
         await asyncio.sleep(SPEC_POLL_PERIOD)
     known = await fetch_run_ids(dht)
