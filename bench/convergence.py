@@ -13,7 +13,8 @@ Every mode trains the default run spec (GPT d_model 128, 4 layers, seq_len 64, b
 * replicas: 1 stage and 2 peers (data parallel, weights averaged every 10 s);
 * swarm:    2 stages and 4 peers (the demo's 2 × 2);
 * swarm_churn: the same swarm under the churn benchmark's seeded trace (bench/convergence_churn.py):
-            a crash, a graceful leave or a rejoin every 30 s, 3 to 5 peers, no stage emptied.
+            a crash, a graceful leave or a rejoin every 30 s (``--churn-period``), 3 to 5 peers, no
+            stage emptied. The trace runs on wall time, so a faster run sees fewer events per sample.
 
 Peers run with one torch thread each and evaluate the held-out set themselves (``--eval-every``
 samples of their own stage 0, an ``eval`` event in their metrics file). Every mode evaluates the same
@@ -64,6 +65,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.convergence_churn import PERIOD as CHURN_PERIOD  # noqa: E402
 from bench.convergence_churn import ChurnDriver  # noqa: E402
 from peer.harness.local_swarm import LocalSwarm, wait_for  # noqa: E402  (needs ROOT on sys.path when run as a script)
 
@@ -285,6 +287,7 @@ class SwarmSettings:
     max_seconds: float  # give up waiting after this long (the mode's results then stop where it got)
     bootstrap_args: tuple[str, ...] = ()  # extra run_bootstrap.py flags (run-spec settings to try)
     churn_seed: int = 0  # swarm_churn: the churn trace's seed (bench/churn.py's)
+    churn_period: float = CHURN_PERIOD  # swarm_churn: seconds between the trace's events
 
 
 def run_swarm_mode(mode: str, settings: SwarmSettings, workdir: Path, *,
@@ -305,7 +308,7 @@ def run_swarm_mode(mode: str, settings: SwarmSettings, workdir: Path, *,
             churn = None
             if mode == "swarm_churn":
                 churn = ChurnDriver(swarm.peers, lambda: swarm.start_peer(*flags), seed=settings.churn_seed,
-                                    duration=settings.max_seconds)
+                                    period=settings.churn_period, duration=settings.max_seconds)
             _wait_until_done(swarm, settings, started, mode=mode, progress=progress,
                              died=churn.poll if churn else lambda: [p.name for p in swarm.peers if not p.is_alive()])
             if churn is not None:
@@ -400,6 +403,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=1200.0, help="per process mode (default 1200)")
     parser.add_argument("--single-threads", type=int, default=2, help="torch threads of single (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="data order of single (0: the run seed, the swarm's order), and swarm_churn's trace (default 0)")
+    parser.add_argument("--churn-period", type=float, default=CHURN_PERIOD,
+                        help=f"swarm_churn: seconds between churn events (default {CHURN_PERIOD:.0f})")
     parser.add_argument("--bootstrap-args", default="", help="extra run_bootstrap.py flags, one string (shlex)")
     parser.add_argument("--workdir", default=f"runs/convergence-{time.strftime('%Y%m%d-%H%M%S')}",
                         help="logs and metrics of the process modes")
@@ -409,8 +414,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.marks = sorted(int(m) for m in args.marks.split(","))
     if not args.modes or any(m not in ALL_MODES for m in args.modes):
         parser.error(f"--modes takes a comma-separated list of {', '.join(ALL_MODES)}")
-    if args.marks[0] < 1 or args.eval_every < 1 or args.eval_sequences < 1:
-        parser.error("marks, --eval-every and --eval-sequences must be positive")
+    if args.marks[0] < 1 or args.eval_every < 1 or args.eval_sequences < 1 or args.churn_period <= 0:
+        parser.error("marks, --eval-every, --eval-sequences and --churn-period must be positive")
     return args
 
 
@@ -423,7 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()
     settings = SwarmSettings(max_samples=args.marks[-1], eval_every=args.eval_every,
                              eval_sequences=args.eval_sequences, max_seconds=args.max_seconds,
-                             bootstrap_args=tuple(shlex.split(args.bootstrap_args)), churn_seed=args.seed)
+                             bootstrap_args=tuple(shlex.split(args.bootstrap_args)), churn_seed=args.seed,
+                             churn_period=args.churn_period)
     curves, failed = [], []
     for mode in args.modes:
         if mode == "single":
