@@ -65,8 +65,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.convergence_churn import PERIOD as CHURN_PERIOD  # noqa: E402
-from bench.convergence_churn import ChurnDriver  # noqa: E402
+from bench.convergence_churn import PERIOD as CHURN_PERIOD, ChurnDriver  # noqa: E402
 from peer.harness.local_swarm import LocalSwarm, wait_for  # noqa: E402  (needs ROOT on sys.path when run as a script)
 
 MODES: dict[str, tuple[int, int]] = {"pipeline": (2, 2), "replicas": (1, 2), "swarm": (2, 4),  # (stages, peers)
