@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import hivemind
@@ -35,8 +34,6 @@ from swarm.view import SwarmView
 logger = logging.getLogger(__name__)
 SPEC_POLL_PERIOD = 0.5
 CONFIRM_PERIOD = 0.5  # seconds between the two reads a joiner's stage choice must agree on
-JOIN_RECHECK = 3.0  # seconds a joiner keeps reading after it declared its stage (recheck_stage)
-MAX_RECHOICES = 3  # times a joiner moves to another stage on an older joiner's late intent
 
 
 def dht_node_config(config: PeerConfig, *, is_visitor: bool = False) -> DHTNodeConfig:
@@ -101,27 +98,15 @@ def stage_costs(spec: RunSpec) -> list[float]:
 
 
 def choose_stage_from_view(spec: RunSpec, records: list[PeerRecord], peer_id: str) -> int:
-    """Apply :func:`planner.stage_choice.assign_joiners` to the current records; this peer's stage.
-
-    Only the peers that announced before this one count (announce time, then peer id), members and
-    joiners alike: a joiner's place never depends on a younger peer, so every peer that sees the same
-    older records computes the same stage for it, whether or not a younger one has declared its own
-    stage yet."""
-    mine = next((r for r in records if r.peer_id == peer_id and r.state == "joining"), None)
-    if mine is None:
-        raise RuntimeError("this peer's own join intent is not visible in the DHT yet")
-    older = [r for r in records if (r.announced_at, r.peer_id) < (mine.announced_at, peer_id)]
+    """Apply :func:`planner.stage_choice.assign_joiners` to the current records; this peer's stage."""
     members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops)
-               for r in older if r.state in ("syncing", "training") and 0 <= r.stage < spec.num_stages]
+               for r in records if r.state in ("syncing", "training") and 0 <= r.stage < spec.num_stages
+               and r.peer_id != peer_id]
     joiners = [Joiner(peer_id=r.peer_id, flops=r.flops, announced_at=r.announced_at)
-               for r in [*older, mine] if r.state == "joining"]
+               for r in records if r.state == "joining"]
+    if peer_id not in {j.peer_id for j in joiners}:
+        raise RuntimeError("this peer's own join intent is not visible in the DHT yet")
     return assign_joiners(stage_costs(spec), members, joiners)[peer_id]
-
-
-def as_joiner(records: list[PeerRecord], peer_id: str) -> list[PeerRecord]:
-    """``records`` with this peer's own record put back to its join intent (it has declared a stage
-    since), so :func:`choose_stage_from_view` can ask again where the intent belongs."""
-    return [dataclasses.replace(r, state="joining", stage=-1) if r.peer_id == peer_id else r for r in records]
 
 
 class StageConfirmation:
@@ -174,51 +159,6 @@ async def negotiate_stage(
         if confirmation.confirms(stage, view.complete_reads):
             return stage, records
         await asyncio.sleep(CONFIRM_PERIOD)
-
-
-async def recheck_stage(
-    view: SwarmView, spec: RunSpec, peer_id: str, stage: int, *, window: float,
-    period: float = CONFIRM_PERIOD, clock: Callable[[], float] = time.monotonic,
-) -> tuple[int, list[PeerRecord]] | None:
-    """After this peer declared ``stage``, read for ``window`` seconds more: an older joiner whose
-    intent reached the DHT only now (its store lagged, e.g. on a loaded machine) changes where this
-    peer belongs. Returns the first complete read's other choice and its records, or None if every
-    complete read confirmed ``stage``. Reads that waited out a timeout are not trusted either way."""
-    deadline = clock() + window
-    while clock() < deadline:
-        await asyncio.sleep(period)
-        before = view.complete_reads
-        records = as_joiner(await view.refresh(), peer_id)
-        if view.complete_reads <= before:
-            continue  # a slow read (or one that found nothing) proves nothing
-        try:
-            choice = choose_stage_from_view(spec, records, peer_id)
-        except RuntimeError:  # this peer's own record is not visible in this read
-            continue
-        if choice != stage:
-            return choice, records
-    return None
-
-
-async def settle_stage(
-    view: SwarmView, spec: RunSpec, peer_id: str, *, settle_delay: float, timeout: float,
-    declare: Callable[[int], Awaitable[None]], recheck: float = JOIN_RECHECK,
-    clock: Callable[[], float] = time.monotonic,
-) -> tuple[int, list[PeerRecord]]:
-    """Negotiate a stage (:func:`negotiate_stage`), ``declare`` it, and keep it unless an older
-    joiner's late intent moves it (:func:`recheck_stage`), then declare the new one; at most
-    ``MAX_RECHOICES`` times. Returns the stage and the records it was chosen from."""
-    stage, records = await negotiate_stage(view, spec, peer_id, settle_delay=settle_delay, timeout=timeout, clock=clock)
-    for _ in range(MAX_RECHOICES):
-        await declare(stage)
-        late = await recheck_stage(view, spec, peer_id, stage, window=recheck, clock=clock)
-        if late is None:
-            return stage, records
-        logger.warning(f"an older joiner's intent reached the DHT after this peer chose stage {stage}: "
-                       f"moving to stage {late[0]} before taking any state")
-        stage, records = late
-    await declare(stage)
-    return stage, records
 
 
 def stage_state_bytes(stage: Stage) -> int:

@@ -4,7 +4,8 @@ While it trains, a peer checks every ``--rebalance-period`` seconds (unless pinn
 ``--stage``) whether moving one peer to the bottleneck stage would raise the swarm's throughput by
 ``--rebalance-min-gain`` or more (``planner.stage_choice.choose_move``); every peer computes the
 same move from the same records, and only the peer it names moves: it leaves its stage like a
-leaving peer, pulls the new stage's state from its holders and trains there; nobody else reloads.
+leaving peer, pulls the new stage's state from that stage's holders, and trains there. No other
+peer reloads anything.
 
 A stage held by a single peer is backed up on a peer of the next stage (``peer.backup``, seed 001
 §3.4); when a stage loses its last holder, the peer ``planner.backup_plan.choose_rescues`` names moves
@@ -41,7 +42,7 @@ from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.event_log import EventLog
 from peer.faults import inject_bad_updates, read_faults
-from peer.join import fetch_spec, open_swarm_dht, settle_stage
+from peer.join import fetch_spec, negotiate_stage, open_swarm_dht
 from peer.profiler import measure_flops, resolve_device, stage_memory_budget
 from peer.relayout import Handoff, LayoutChange, joiner_layout
 from peer.session import PeerContext, StageSession
@@ -181,12 +182,8 @@ class Peer:
         if stage_index >= 0:
             return stage_index, []
         await self.heartbeat(stage=-1)
-        return await settle_stage(self.view, spec, self.peer_id, settle_delay=self.config.settle_delay,
-                                  timeout=self.config.join_timeout, declare=self._declare)
-
-    async def _declare(self, stage: int) -> None:
-        self._set_state(PeerState.SYNCING)
-        await self.heartbeat(stage=stage)
+        return await negotiate_stage(self.view, spec, self.peer_id, settle_delay=self.config.settle_delay,
+                                     timeout=self.config.join_timeout)
 
     def _new_stage(self, stage_index: int, device: torch.device) -> Stage:
         stage = Stage(self.spec, stage_index, device=device)

@@ -13,9 +13,7 @@ fast GPU and a slow laptop are not the same contribution (DESIGN §1 step 4, see
 Concurrent joiners. Peers that join at the same moment see the same members and each other's
 join intents. Every joiner evaluates :func:`assign_joiners` on that same snapshot: joiners are
 placed one by one in (announce time, peer id) order, each seeing the earlier ones already placed,
-so they spread over the stages instead of all taking the same one. (``peer.join`` gives a joiner
-only the records of peers older than itself, so the answer for it is the same in every snapshot
-that holds those.)
+so they spread over the stages instead of all taking the same one.
 
 Rebalancing (:func:`choose_move`). Later, when peers have left, one peer may move from a stage with
 spare throughput to the bottleneck stage, if that raises the bottleneck by a clear margin
