@@ -2,14 +2,17 @@
 
 Throughput is measured, not declared: one transformer block of the run's shape is timed forward
 and backward on a microbatch (after a warm-up), and FLOP/s = the block's FLOPs (the cost model of
-:func:`swarm.model.stage_flops_per_sample`) / the median time. That figure is what the planner
+:func:`swarm.model.stage_flops_per_sample`) / the fastest trial's time. Other processes on the
+machine only ever slow a trial down, so the fastest trial is the figure least skewed by what else
+ran meanwhile (peers that start together measure closer to one another than by the median: four demo
+peers on one machine measured 8.7 to 15.1 GFLOP/s by the median). That figure is what the planner
 uses to place the peer (seed 002 §3.2, seed 001 §3.3 profile compute the same way).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -24,8 +27,9 @@ ACTIVATION_FACTOR = 20  # saved activations per block per token, in units of d_m
 FIXED_OVERHEAD_BYTES = 600 * 2**20  # interpreter, torch, hivemind, p2pd
 
 
-def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 5) -> float:
-    """FLOP/s of forward+backward of one block of the run's model on ``device``."""
+def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 8,
+                  timer: Callable[[], float] = time.perf_counter) -> float:
+    """FLOP/s of forward+backward of one block of the run's model on ``device``, by its fastest trial."""
     model: ModelSpec = spec.model
     block = Block(model).to(device)
     x = torch.randn(spec.microbatch_size, model.seq_len, model.d_model, device=device, requires_grad=True)
@@ -36,13 +40,13 @@ def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 5) -
     for trial in range(num_trials + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        started = time.perf_counter()
+        started = timer()
         block(x).sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if trial:  # the first run warms up kernels and allocator
-            times.append(time.perf_counter() - started)
-    return flops / max(statistics.median(times), 1e-9)
+            times.append(timer() - started)
+    return flops / max(min(times), 1e-9)
 
 
 def stage_memory_bytes(spec: RunSpec, stage: int, *, max_in_flight: int) -> int:

@@ -209,6 +209,7 @@ class StageSession:
                                                           handler=membership_handler(spec.run_id),
                                                           on_down=events.peer_down, on_link=events.on_link)
         ctx.view.on_change = events.on_view_change
+        ctx.view.vouch = self.detector.vouches_for  # a neighbour that answers keeps its place if its record lapses
         self.averager = StageAverager(stage, ctx.dht, ctx.view, client_mode=ctx.role == "unreliable" or config.client_mode,
                                       aggregation=config.aggregation, on_round=self._on_round, on_outliers=self._on_outliers,
                                       on_discard=self._on_discard)
@@ -283,6 +284,7 @@ class StageSession:
         if announce and self._opened:
             await self._announce_leave()
         self._stop.set()
+        self.ctx.view.vouch = lambda peer_id: False
         for task in self._tasks:
             if task.get_name() != "trainer":
                 task.cancel()

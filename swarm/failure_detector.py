@@ -38,6 +38,7 @@ from swarm.view import SwarmView
 logger = logging.getLogger(__name__)
 RECHECK_PERIOD = 2.0  # seconds between pings to a peer declared down whose record is still fresh
 STALL_FACTOR = 3  # a tick this many ping periods late means this peer stalled, not its neighbours
+VOUCH_WINDOW = 5.0  # seconds after its last answered ping that a neighbour counts as answering (vouches_for)
 
 
 class PhiAccrual:
@@ -115,6 +116,14 @@ class FailureDetector:
         stages = {self.stage - 1, self.stage, self.stage + 1}
         return {r.peer_id for r in self.view.records
                 if r.stage in stages and r.state == "training" and r.peer_id != self.peer_id and not self.view.is_gone(r.peer_id)}
+
+    def vouches_for(self, peer_id: str, now: float | None = None) -> bool:
+        """Whether ``peer_id`` answered one of this detector's pings within :data:`VOUCH_WINDOW`
+        seconds (``now``: monotonic, default the current time) and is not declared down."""
+        monitor = self.monitors.get(peer_id)
+        if peer_id in self.down or monitor is None or monitor.last is None:
+            return False
+        return (time.monotonic() if now is None else now) - monitor.last <= VOUCH_WINDOW
 
     def declare_down(self, peer_id: str, how: str) -> bool:
         """Mark ``peer_id`` down (once); returns whether this was news."""

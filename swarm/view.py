@@ -48,6 +48,10 @@ class SwarmView:
     ) -> None:
         self.dht = dht
         self.clock, self.carry_over = clock, carry_over
+        # whether this peer itself heard ``peer_id`` answer just now (the failure detector's pings):
+        # such a peer's record is kept over complete reads that lack it, for the carry-over, since
+        # its heartbeats may be failing on a DHT node behind a saturated link, not because it is gone
+        self.vouch: Callable[[str], bool] = lambda peer_id: False
         self.run_id = run_id
         self.refresh_period = refresh_period
         self.on_change = on_change  # "scale_out" / "scale_in" of a training peer, seen by a refresh
@@ -78,17 +82,21 @@ class SwarmView:
 
         A read that waited out a DHT timeout, or found no record at all, may have missed records that
         exist: it proves no absence. Records it lacks that a read showed within the last
-        :attr:`carry_over` seconds are kept (a crash is the failure detector's to find)."""
+        :attr:`carry_over` seconds are kept (a crash is the failure detector's to find). A complete
+        read's absences count, except for peers :attr:`vouch` says answered this peer just now: a
+        live peer whose heartbeats time out on a silent DHT node loses its record, not its place."""
         now = self.clock()
         self.complete_reads = self.complete_reads + 1 if seconds < SLOW_READ else 0
         for record in fetched:
             self._last_seen[record.peer_id] = now
-        if not self.complete_reads or not fetched:
-            read = len(fetched)
-            fetched = carried_over(self.all_records, fetched, self._last_seen, since=now - self.carry_over)
-            if carried := len(fetched) - read:
-                self.num_carried += carried
-                logger.debug(f"a read of {seconds:.1f}s found {read} records; kept {carried} it may have missed")
+        proves_absence = bool(self.complete_reads and fetched)
+        read = len(fetched)
+        fetched = carried_over(self.all_records, fetched, self._last_seen, since=now - self.carry_over,
+                               keep=self.vouch if proves_absence else lambda peer_id: True)
+        if carried := len(fetched) - read:
+            self.num_carried += carried
+            logger.debug(f"a read of {seconds:.1f}s found {read} records; kept {carried} it may have missed "
+                         f"or whose peers answer")
         self._last_seen = {r.peer_id: self._last_seen[r.peer_id] for r in fetched}
         before = {(r.peer_id, r.stage): r for r in self.records if r.state == "training"}
         self.all_records = bound_claims(fetched)
@@ -160,11 +168,12 @@ class SwarmView:
 
 
 def carried_over(previous: list[PeerRecord], fetched: list[PeerRecord], last_seen: dict[str, float], *,
-                 since: float) -> list[PeerRecord]:
-    """``fetched`` plus each ``previous`` record whose peer it lacks and a read showed at ``since`` or
-    later (``last_seen``), sorted by peer id like a read."""
+                 since: float, keep: Callable[[str], bool]) -> list[PeerRecord]:
+    """``fetched`` plus each ``previous`` record whose peer it lacks, a read showed at ``since`` or
+    later (``last_seen``) and ``keep`` accepts, sorted by peer id like a read."""
     found = {r.peer_id for r in fetched}
-    kept = [r for r in previous if r.peer_id not in found and last_seen.get(r.peer_id, float("-inf")) >= since]
+    kept = [r for r in previous if r.peer_id not in found and last_seen.get(r.peer_id, float("-inf")) >= since
+            and keep(r.peer_id)]
     return sorted([*fetched, *kept], key=lambda r: r.peer_id)
 
 

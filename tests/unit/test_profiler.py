@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from dht.records import ModelSpec, RunSpec, even_stage_layers
 from peer.profiler import FIXED_OVERHEAD_BYTES, measure_flops, resolve_device, stage_memory_bytes
 from swarm.model import stage_num_params
@@ -38,6 +40,19 @@ def test_measure_flops_is_positive_and_finite():
                    stage_layers=((0, 1), (1, 2)), microbatch_size=2, target_batch_size=2)
     flops = measure_flops(spec, resolve_device("cpu"), num_trials=2)
     assert isinstance(flops, float) and math.isfinite(flops) and flops > 0
+
+
+def test_measure_flops_counts_the_fastest_trial_not_those_another_process_slowed():
+    spec = RunSpec(run_id="p", model=ModelSpec(d_model=16, num_layers=2, num_heads=2, seq_len=8),
+                   stage_layers=((0, 1), (1, 2)), microbatch_size=2, target_batch_size=2)
+    # the clock read at the warm-up's start, then at each trial's start and end: trials of 0.4 s (a
+    # crowded one), 0.1 s and 0.3 s
+    readings = iter([0.0, 10.0, 10.4, 11.0, 11.1, 12.0, 12.3])
+    timer = readings.__next__
+
+    fast = measure_flops(spec, resolve_device("cpu"), num_trials=3, timer=timer)
+    d, seq_len = 16, 8
+    assert fast == pytest.approx((6 * 12 * d * d + 12 * seq_len * d) * seq_len * 2 / 0.1)
 
 
 def test_resolve_device():

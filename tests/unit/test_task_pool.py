@@ -96,3 +96,19 @@ def test_phi_accrual_suspects_a_silent_peer_sooner_on_a_steady_link_than_on_a_ji
         timeout = detector.timeout(8.0)
         assert detector.phi(detector.last + timeout * 0.99) < 8.0 <= detector.phi(detector.last + timeout * 1.01)
     assert steady.timeout(8.0) < jittery.timeout(8.0)
+
+
+def test_the_failure_detector_vouches_only_for_a_neighbour_that_answered_lately_and_is_not_down():
+    from swarm.failure_detector import VOUCH_WINDOW, FailureDetector, PhiAccrual
+    from swarm.view import SwarmView
+
+    detector = FailureDetector(None, SwarmView(None, "run"), peer_id="me", stage=0, handler="h",
+                               on_down=lambda peer_id, how: None)
+    detector.monitors["b"] = PhiAccrual()
+    assert not detector.vouches_for("b", now=10.0)  # monitored, never answered yet
+    detector.monitors["b"].heartbeat(10.0)
+    assert detector.vouches_for("b", now=10.0 + VOUCH_WINDOW)
+    assert not detector.vouches_for("b", now=10.0 + VOUCH_WINDOW + 0.1)
+    assert not detector.vouches_for("unknown", now=10.0)
+    detector.declare_down("b", "detector")
+    assert not detector.vouches_for("b", now=10.0)

@@ -71,3 +71,22 @@ def test_a_carried_record_is_replaced_by_a_newer_one():
     clock[0] = 5.0
     view.apply_read([record("b", 0, announced_at=200.0)], seconds=6.0)  # "b" moved to stage 0; "a" carried
     assert [(r.peer_id, r.stage) for r in view.records] == [("a", 0), ("b", 0)]
+
+
+def test_a_complete_read_keeps_a_missing_peer_this_peer_still_hears_for_the_carry_over():
+    clock = [0.0]
+    view = SwarmView(None, "run", carry_over=30.0, clock=lambda: clock[0])
+    answering = {"b"}
+    view.vouch = lambda peer_id: peer_id in answering
+    view.apply_read([record("a", 0), record("b", 1), record("c", 1)], seconds=0.5)
+    clock[0] = 10.0
+    view.apply_read([record("a", 0)], seconds=0.5)  # "b" and "c" lapsed; only "b" answers pings
+    assert [r.peer_id for r in view.members(1)] == ["b"] and view.num_carried == 1
+    clock[0] = 31.0
+    view.apply_read([record("a", 0)], seconds=0.5)  # "b" was last in a read 31 s ago
+    assert [r.peer_id for r in view.records] == ["a"]
+    view.apply_read([record("a", 0), record("b", 1)], seconds=0.5)  # its heartbeats landed again
+    answering.clear()
+    clock[0] = 32.0
+    view.apply_read([record("a", 0)], seconds=0.5)  # it stopped answering too: gone at once
+    assert [r.peer_id for r in view.records] == ["a"]
