@@ -7,6 +7,8 @@ arrival. Alg. 2 assigns the runs to donors; this module carries the plan out and
 * **Measured rates.** A donor sends the runs of one joiner one after another (``server.py``), so
   each run's service time is ``done - max(sent, previous done)`` and a donor's b_u is its service
   time per byte (d_u included), measured from its first run on; until then, the probe's.
+* **Every donor is measured.** The first plan gives each donor at least one run
+  (:func:`give_each_a_run`): a probe taken while a donor's host was busy must not keep it out.
 * **Re-planning** (``TransferConfig.rebalance``): whenever a donor's measured rate moves by more
   than ``_REPLAN_DRIFT`` from what the last plan assumed, or a donor has nothing queued while others
   do, Alg. 2 runs again over every queued run, with f_u = when each donor is through what it has
@@ -38,7 +40,7 @@ from replication.manifest import ManifestError, is_shard_valid
 from replication.pull_report import PullReport, TransferError, drop_donor
 from replication.shard_store import ShardStore
 
-__all__ = ["CORRUPT_PIECE_STRIKES", "CorruptPieceError", "PieceFetcher", "Run", "split_runs"]
+__all__ = ["CORRUPT_PIECE_STRIKES", "CorruptPieceError", "PieceFetcher", "Run", "give_each_a_run", "split_runs"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +182,12 @@ class PieceFetcher:
             return now
         links = [self._planning_link(peer, donor, now) for peer, donor in live.items()]
         plan = assign_shards_greedy({run_id: self.runs[run_id].nbytes for run_id in run_ids}, links, now=now)
+        shards_by_peer = {peer: list(assigned) for peer, assigned in plan.shards_by_peer.items()}
+        if not self.report.num_replans:
+            give_each_a_run(shards_by_peer, list(live))
         for link in links:
             live[link.peer_id].planned_per_byte = link.per_byte_delay
-        for peer, assigned in plan.shards_by_peer.items():
+        for peer, assigned in shards_by_peer.items():
             donor = live[peer]
             donor.queue.extend(assigned)
             self._start_workers(peer, donor)
@@ -352,3 +357,19 @@ class PieceFetcher:
         self._assign(orphans)
         self._changed.set()
 
+
+
+def give_each_a_run(shards_by_peer: dict[str, list[int]], donors: Sequence[str]) -> None:
+    """The first plan's fix-up: a donor the plan gave nothing gets the last run of the donor with
+    the most, while that one keeps at least one. A donor's rate is otherwise only its probe's, and
+    one probe taken while its host was busy (CI: a hog on each core beside five peers) can make it
+    look too slow for any run: it would never serve, so never be measured. With one run it is
+    measured, re-planning uses what it really does, and the end game copies its run elsewhere if it
+    is as slow as the probe said."""
+    for peer in donors:
+        if shards_by_peer.get(peer):
+            continue
+        richest = max(sorted(shards_by_peer), key=lambda p: len(shards_by_peer[p]), default=None)
+        if richest is None or len(shards_by_peer[richest]) < 2:
+            return
+        shards_by_peer[peer] = [shards_by_peer[richest].pop()]

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replication.fetcher import Run, split_runs
+from replication.fetcher import Run, give_each_a_run, split_runs
 from replication.manifest import MAX_PIECES, ManifestError, build_manifest, piece_size_for, restore_state
 from replication.server import pack_bytes, unpack_bytes
 
@@ -78,3 +78,12 @@ def test_restore_can_share_the_buffer_and_copies_what_is_misaligned():
     assert torch.equal(restored["b"], state["b"])
     copied = restore_state(manifest, bytearray(data))  # the default: always a copy
     assert all(torch.equal(copied[name], state[name]) for name in state)
+
+
+def test_the_first_plan_gives_a_donor_it_left_out_one_run_from_the_busiest():
+    plan = {"fast": [0, 1, 2, 3], "medium": [4, 5], "slow": []}  # the slow one's probe caught a busy host
+    give_each_a_run(plan, ["fast", "medium", "slow"])
+    assert plan == {"fast": [0, 1, 2], "medium": [4, 5], "slow": [3]}
+    few = {"a": [0], "b": []}  # one run: the donor that has it keeps it
+    give_each_a_run(few, ["a", "b"])
+    assert few == {"a": [0], "b": []}
