@@ -1,16 +1,19 @@
 """Measuring this peer: compute throughput on its device, and the memory a stage would need.
 
 Throughput is measured, not declared: one transformer block of the run's shape is timed forward
-and backward on a microbatch (after a warm-up), and FLOP/s = the block's FLOPs (the cost model of
-:func:`swarm.model.stage_flops_per_sample`) / the fastest trial's time. Other processes on the
-machine only ever slow a trial down, so the fastest trial is the figure least skewed by what else
-ran meanwhile (peers that start together measure closer to one another than by the median: four demo
-peers on one machine measured 8.7 to 15.1 GFLOP/s by the median). That figure is what the planner
-uses to place the peer (seed 002 §3.2, seed 001 §3.3 profile compute the same way).
+and backward on a microbatch (after a warm-up), repeatedly for at least ``MIN_MEASURE_SECONDS``,
+and FLOP/s = the block's FLOPs (the cost model of :func:`swarm.model.stage_flops_per_sample`) / the
+median trial's time. Other processes on the machine slow trials down, and now and then a trial runs
+alone on a core: the median over a window of trials is the figure least swayed by either. (The
+fastest trial was tried on 2026-11-26: under a CPU hog, one of four demo peers on one machine then
+measured 51.6 GFLOP/s against 10.3–12.0 for the others and the peers placed themselves 1 + 3.)
+That figure is what the planner uses to place the peer (seed 002 §3.2, seed 001 §3.3 profile
+compute the same way).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -25,19 +28,23 @@ MIB = 2**20
 BYTES_PER_PARAM_TRAINING = 4 * 4  # float32 weight, gradient, and AdamW's two moments
 ACTIVATION_FACTOR = 20  # saved activations per block per token, in units of d_model floats
 FIXED_OVERHEAD_BYTES = 600 * 2**20  # interpreter, torch, hivemind, p2pd
+MIN_MEASURE_SECONDS = 0.5  # measure_flops repeats its trials for at least this long (a window of the machine's load)
+MAX_TRIALS = 200
 
 
-def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 8,
-                  timer: Callable[[], float] = time.perf_counter) -> float:
-    """FLOP/s of forward+backward of one block of the run's model on ``device``, by its fastest trial."""
+def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 5,
+                  min_seconds: float = MIN_MEASURE_SECONDS, timer: Callable[[], float] = time.perf_counter) -> float:
+    """FLOP/s of forward+backward of one block of the run's model on ``device``: the median of at
+    least ``num_trials`` trials, more until ``min_seconds`` have passed (at most ``MAX_TRIALS``)."""
     model: ModelSpec = spec.model
     block = Block(model).to(device)
     x = torch.randn(spec.microbatch_size, model.seq_len, model.d_model, device=device, requires_grad=True)
     d, seq_len = model.d_model, model.seq_len
     # the block term of stage_flops_per_sample: 6 FLOPs per weight per token plus attention
     flops = (6 * 12 * d * d + 12 * seq_len * d) * seq_len * spec.microbatch_size
-    times = []
-    for trial in range(num_trials + 1):
+    times: list[float] = []
+    trial = 0
+    while trial <= num_trials or (sum(times) < min_seconds and trial <= MAX_TRIALS):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = timer()
@@ -46,7 +53,8 @@ def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 8,
             torch.cuda.synchronize(device)
         if trial:  # the first run warms up kernels and allocator
             times.append(timer() - started)
-    return flops / max(min(times), 1e-9)
+        trial += 1
+    return flops / max(statistics.median(times), 1e-9)
 
 
 def stage_memory_bytes(spec: RunSpec, stage: int, *, max_in_flight: int) -> int:

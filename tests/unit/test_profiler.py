@@ -42,17 +42,19 @@ def test_measure_flops_is_positive_and_finite():
     assert isinstance(flops, float) and math.isfinite(flops) and flops > 0
 
 
-def test_measure_flops_counts_the_fastest_trial_not_those_another_process_slowed():
+def test_measure_flops_takes_the_median_trial_over_a_window_of_at_least_min_seconds():
     spec = RunSpec(run_id="p", model=ModelSpec(d_model=16, num_layers=2, num_heads=2, seq_len=8),
                    stage_layers=((0, 1), (1, 2)), microbatch_size=2, target_batch_size=2)
+    block_flops = (6 * 12 * 16 * 16 + 12 * 8 * 16) * 8 * 2
     # the clock read at the warm-up's start, then at each trial's start and end: trials of 0.4 s (a
-    # crowded one), 0.1 s and 0.3 s
+    # crowded one), 0.1 s (one alone on a core) and 0.3 s
     readings = iter([0.0, 10.0, 10.4, 11.0, 11.1, 12.0, 12.3])
-    timer = readings.__next__
-
-    fast = measure_flops(spec, resolve_device("cpu"), num_trials=3, timer=timer)
-    d, seq_len = 16, 8
-    assert fast == pytest.approx((6 * 12 * d * d + 12 * seq_len * d) * seq_len * 2 / 0.1)
+    flops = measure_flops(spec, resolve_device("cpu"), num_trials=3, min_seconds=0.0, timer=readings.__next__)
+    assert flops == pytest.approx(block_flops / 0.3)
+    ticks = iter([0.0, *[x for k in range(1, 20) for x in (float(k), k + 0.25)]])  # trials of 0.25 s
+    flops = measure_flops(spec, resolve_device("cpu"), num_trials=1, min_seconds=1.0, timer=ticks.__next__)
+    assert flops == pytest.approx(block_flops / 0.25)
+    assert next(ticks) == 5.0  # four trials of 0.25 s fill the 1 s window, and no more were run
 
 
 def test_resolve_device():
