@@ -160,6 +160,7 @@ class StateLoader:
         report = result.report
         self.metrics.write("state_download", version=result.version, seconds=report.seconds,
                            bytes_by_donor=report.bytes_by_donor, failed_donors=report.failed_donors,
+                           donors=report.donors, num_duplicated=report.num_duplicated,
                            donor=max(report.bytes_by_donor, key=report.bytes_by_donor.get), digest=digest)
 
     def _backup_loaded(self, stage: Stage, source: str, version: int, digest: str, started: float) -> None:

@@ -26,6 +26,8 @@ class PullReport:
             the tensors).
         bytes_by_donor / shards_by_donor: verified bytes / pieces received from each donor.
         failed_donors: donor -> why it was dropped (probe failure, disagreeing manifest, fault).
+        donors: the donors that answered the probes and agreed on the manifest; the first plan
+            gives each of them at least one run (``replication.fetcher.give_each_a_run``).
         num_shard_requests: requests sent, failed, cancelled and end-game copies included.
         num_refetched: pieces re-planned onto another donor after theirs was dropped.
         num_resumed: pieces already on disk (verified) when the pull started.
@@ -45,6 +47,7 @@ class PullReport:
     bytes_by_donor: dict[str, int] = field(default_factory=dict)
     shards_by_donor: dict[str, int] = field(default_factory=dict)
     failed_donors: dict[str, str] = field(default_factory=dict)
+    donors: list[str] = field(default_factory=list)
     num_shard_requests: int = 0
     num_refetched: int = 0
     num_resumed: int = 0

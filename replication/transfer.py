@@ -156,6 +156,7 @@ async def pull_state(
     usable = {peer_id: links[peer_id] for peer_id in agreeing if peer_id in links}
     if not usable:
         raise TransferError("no donor both answered the probes and agreed on the manifest", report)
+    report.donors = sorted(usable)
     clock = _lap(report, "probe", clock)
     store = await asyncio.to_thread(ShardStore.open, store_dir, manifest)
     missing = store.missing_shards()

@@ -59,7 +59,13 @@ def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
     wait_for(lambda: late.events("state_download") or not late.is_alive(), 90, "the late joiner's download")
     download = late.events("state_download")[0]
     assert download["version"] > 0, "the joiner should get the trained state, not the initial one"
-    assert len(download["bytes_by_donor"]) == 2 and not download["failed_donors"], download  # both holders served
+    # both holders took part: each agreed on the manifest and was given runs, and none failed. One may
+    # deliver no byte only when the end game copied its runs to the other, which finished them first
+    # (under the CPU hog the whole 5 MiB pull takes 0.2 s, and a holder's first answer can come late)
+    late_stage = late.events("joined")[0]["stage"]
+    holders = sorted(p.events("joined")[0]["peer_id"] for p in peers if stage_of(p) == late_stage)
+    assert download["donors"] == holders and not download["failed_donors"], download
+    assert len(download["bytes_by_donor"]) == 2 or download["num_duplicated"] >= 1, download
     donor_stage = next(stage_of(p) for p in peers if p.events("joined")[0]["peer_id"] == download["donor"])
     wait_for(lambda: any(e["stage"] == stage_of(late) for e in late.events("status")) and
              late.events("status")[-1]["samples"] > 0, 60, "the late joiner to process microbatches")
