@@ -29,7 +29,7 @@ BYTES_PER_PARAM_TRAINING = 4 * 4  # float32 weight, gradient, and AdamW's two mo
 ACTIVATION_FACTOR = 20  # saved activations per block per token, in units of d_model floats
 FIXED_OVERHEAD_BYTES = 600 * 2**20  # interpreter, torch, hivemind, p2pd
 MIN_MEASURE_SECONDS = 0.5  # measure_flops repeats its trials for at least this long (a window of the machine's load)
-MAX_TRIALS = 200
+MAX_TRIALS = 200  # a bound on measure_flops' trials, however short each one is
 
 
 def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 5,

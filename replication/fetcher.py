@@ -358,7 +358,6 @@ class PieceFetcher:
         self._changed.set()
 
 
-
 def give_each_a_run(shards_by_peer: dict[str, list[int]], donors: Sequence[str]) -> None:
     """The first plan's fix-up: a donor the plan gave nothing gets the last run of the donor with
     the most, while that one keeps at least one. A donor's rate is otherwise only its probe's, and
