@@ -361,7 +361,7 @@ class PieceFetcher:
 def give_each_a_run(shards_by_peer: dict[str, list[int]], donors: Sequence[str]) -> None:
     """The first plan's fix-up: a donor the plan gave nothing gets the last run of the donor with
     the most, while that one keeps at least one. A donor's rate is otherwise only its probe's, and
-    one probe taken while its host was busy (CI: a hog on each core beside five peers) can make it
+    one probe taken while its host was busy (a CPU hog on each core beside five peers) can make it
     look too slow for any run: it would never serve, so never be measured. With one run it is
     measured, re-planning uses what it really does, and the end game copies its run elsewhere if it
     is as slow as the probe said."""
