@@ -31,10 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     async def serve(stop: asyncio.Event) -> None:
         with BootstrapNode(config) as node:
             maddrs = await asyncio.to_thread(node.start)
+            await node.find_owner()
             logger.info(node.spec.describe())
+            keeps = ("another bootstrap's" if not node.publishes else f"kept in {config.identity_path}.rsa"
+                     if config.identity_path else "new at every start: give --identity-path to keep the run across restarts")
+            logger.info(f"run '{config.run_id}' is owned by key {node.owner} ({keeps})")
             print("Bootstrap node is up. Peers join with:", flush=True)
             for maddr in maddrs:
-                print(f"  python run_peer.py --bootstrap {maddr} --run-id {config.run_id}", flush=True)
+                print(f"  python run_peer.py --bootstrap {maddr} --run-id {config.run_id} --run-owner {node.owner}",
+                      flush=True)
             async with open_bootstrap_status(node):  # --status-port: the swarm's health page and metrics
                 await node.serve(stop)
 

@@ -37,6 +37,7 @@ from google.protobuf.message import DecodeError
 from hivemind.proto import crypto_pb2
 
 BINDING_DOMAIN = b"murmuration/peer-record/1\0"
+OWNER_DOMAIN = b"murmuration/run-owner/1\0"  # a bootstrap vouching for the key that owns its run (dht.registry)
 MAX_PEER_KEY_BYTES = 1024  # a libp2p RSA-4096 public key is ~550 bytes
 MAX_SIGNATURE_BYTES = 1024
 _IDENTITY_HASH, _SHA2_256 = 0x00, 0x12
@@ -46,8 +47,8 @@ class BindingError(ValueError):
     """A record's binding to its claimed peer id does not check out; the message says why."""
 
 
-def binding_message(run_id: str, record_key: bytes) -> bytes:
-    return BINDING_DOMAIN + run_id.encode() + b"\0" + record_key
+def binding_message(run_id: str, record_key: bytes, domain: bytes = BINDING_DOMAIN) -> bytes:
+    return domain + run_id.encode() + b"\0" + record_key
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,12 @@ class PeerIdentity:
             return key.sign(data)
         return key.sign(data, padding.PKCS1v15(), hashes.SHA256())  # libp2p's RSA signature scheme
 
-    def bind(self, run_id: str, record_key: bytes) -> tuple[bytes, bytes]:
-        """(``peer_key``, ``peer_signature``) for a record of ``run_id`` under ``record_key``.
-        ``peer_key`` is empty when the peer id inlines the key (Ed25519)."""
+    def bind(self, run_id: str, record_key: bytes, domain: bytes = BINDING_DOMAIN) -> tuple[bytes, bytes]:
+        """(``peer_key``, ``peer_signature``) for a record of ``run_id`` under ``record_key``
+        (``domain``: what the binding vouches for). ``peer_key`` is empty when the peer id inlines
+        the key (Ed25519)."""
         peer_key = self.public_key_bytes if self.is_rsa else b""
-        return peer_key, self.sign(binding_message(run_id, record_key))
+        return peer_key, self.sign(binding_message(run_id, record_key, domain))
 
 
 def peer_id_of(public_key_bytes: bytes) -> str:
@@ -122,7 +124,8 @@ def peer_id_of(public_key_bytes: bytes) -> str:
     return base58.b58encode(digest).decode()
 
 
-def verify_binding(peer_id: str, record_key: bytes, run_id: str, peer_key: bytes, signature: bytes) -> None:
+def verify_binding(peer_id: str, record_key: bytes, run_id: str, peer_key: bytes, signature: bytes,
+                   domain: bytes = BINDING_DOMAIN) -> None:
     """Checks that the holder of ``peer_id``'s identity key vouched for ``record_key`` in ``run_id``.
 
     Raises:
@@ -148,7 +151,7 @@ def verify_binding(peer_id: str, record_key: bytes, run_id: str, peer_key: bytes
         message = crypto_pb2.PublicKey.FromString(key_bytes)
     except DecodeError:
         raise BindingError("its peer id holds no libp2p public key") from None
-    _verify(message.key_type, message.data, signature, binding_message(run_id, record_key))
+    _verify(message.key_type, message.data, signature, binding_message(run_id, record_key, domain))
 
 
 def _verify(key_type: int, key_data: bytes, signature: bytes, message: bytes) -> None:

@@ -10,6 +10,12 @@ at most ``MAX_RECORD_TTL`` away. Without it one plain value stored under ``<run_
 far expiration replaces the whole dictionary on the nodes that hold it: every heartbeat of the run
 vanishes and no new one is accepted until that value expires (found by tests/fuzz).
 
+A run spec is *owned* by the record key that signs it: :func:`owner_fingerprint` names that key in
+32 hex digits (the bootstrap prints it in its join line, ``--run-owner``). A bootstrap also binds
+its record key to its libp2p peer id (the identity key's signature under ``OWNER_DOMAIN``), so a
+peer that dialled ``/p2p/<id>`` can tell the spec of the bootstrap it dialled from one a stranger
+published under the same run id (``peer.join.SpecChooser`` decides whom to trust).
+
 A peer record also has to be *bound* to the peer id it claims (:mod:`dht.identity`): its binding
 is the identity key's signature of the run id and the record key (the subkey) it is stored under.
 :func:`declare_peer` adds it; :func:`fetch_peers` drops a record whose binding fails, with the
@@ -21,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -33,12 +40,19 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
-from dht.identity import BindingCache, identity_of
+from dht.identity import (
+    MAX_PEER_KEY_BYTES,
+    MAX_SIGNATURE_BYTES,
+    OWNER_DOMAIN,
+    BindingCache,
+    BindingError,
+    identity_of,
+    verify_binding,
+)
 from dht.records import RUNS_KEY, PeerRecord, RunSpec, peers_key, spec_key
 from dht.rpc import RefusalLog
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 SPEC_TTL = 6 * 3600.0
 MAX_RECORD_TTL = 2 * SPEC_TTL  # a record expiring later than this is refused (clock skew allowed for)
@@ -108,22 +122,77 @@ def dht_time() -> float:
     return get_dht_time()
 
 
+def owner_fingerprint(record_key: bytes) -> str:
+    """The 32 hex digits that name a run's owner: a hash of the record key that signs its spec."""
+    return hashlib.sha256(record_key).hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedSpec:
+    """A run spec as found in the DHT.
+
+    Attributes:
+        spec: the spec.
+        owner: :func:`owner_fingerprint` of the record key that signed it.
+        bootstrap: the peer id whose identity key vouched for that record key (``OWNER_DOMAIN``),
+            or "" when the publisher bound none or its binding does not verify.
+    """
+
+    spec: RunSpec
+    owner: str
+    bootstrap: str = ""
+
+
 async def declare_run_spec(dht: hivemind.DHT, validator: RSASignatureValidator, spec: RunSpec) -> bool:
-    """Publish the run spec, signed, and list the run in the registry of runs."""
+    """Publish the run spec, signed and bound to this node's peer id, and list the run in the registry."""
     await protect_run_keys(dht, spec.run_id)
     owner = validator.local_public_key
     expiration = get_dht_time() + SPEC_TTL
     wire = spec.to_wire()
-    stored = await dht.store(spec_key(spec.run_id), wire, expiration, subkey=owner, return_future=True)
+    entry = dict(wire)
+    identity = identity_of(dht)
+    if identity is not None:
+        peer_key, signature = identity.bind(spec.run_id, owner, OWNER_DOMAIN)
+        entry["owner_binding"] = {"peer_id": identity.peer_id, "peer_key": peer_key, "signature": signature}
+    stored = await dht.store(spec_key(spec.run_id), entry, expiration, subkey=owner, return_future=True)
     listed = await dht.store(RUNS_KEY, wire, expiration, subkey=spec.run_id.encode() + owner, return_future=True)
     return bool(stored) and bool(listed)
 
 
-async def fetch_run_specs(dht: hivemind.DHT, run_id: str) -> list[RunSpec]:
-    """Every valid spec published under ``run_id``, oldest publisher key first (deterministic)."""
+async def fetch_run_specs(dht: hivemind.DHT, run_id: str) -> list[PublishedSpec]:
+    """Every valid spec published under ``run_id`` with its owner, by owner fingerprint (deterministic)."""
     await protect_run_keys(dht, run_id)
-    specs = await _fetch_valid(dht, spec_key(run_id), RunSpec.from_wire, what=f"run spec for {run_id}")
-    return [spec for spec in specs if spec.run_id == run_id]
+    published = []
+    for subkey, value in await _fetch_dictionary(dht, spec_key(run_id)):
+        if not isinstance(subkey, bytes) or not isinstance(value, dict):
+            continue
+        entry = dict(value)
+        binding = entry.pop("owner_binding", None)
+        try:
+            spec = RunSpec.from_wire(entry)
+        except ValueError as e:
+            logger.warning(f"ignoring a malformed run spec for {run_id}: {e}")
+            continue
+        if spec.run_id == run_id:
+            published.append(PublishedSpec(spec, owner_fingerprint(subkey), _bound_bootstrap(binding, subkey, run_id)))
+    return sorted(published, key=lambda p: p.owner)
+
+
+def _bound_bootstrap(binding: Any, record_key: bytes, run_id: str) -> str:
+    """The peer id that ``binding`` (a spec's ``owner_binding``) binds ``record_key`` to, or ""."""
+    if not isinstance(binding, dict):
+        return ""
+    peer_id, peer_key, signature = binding.get("peer_id"), binding.get("peer_key", b""), binding.get("signature")
+    if not (isinstance(peer_id, str) and len(peer_id) <= 128 and isinstance(peer_key, bytes)
+            and len(peer_key) <= MAX_PEER_KEY_BYTES and isinstance(signature, bytes)
+            and len(signature) <= MAX_SIGNATURE_BYTES):
+        return ""
+    try:
+        verify_binding(peer_id, record_key, run_id, peer_key, signature, OWNER_DOMAIN)
+    except BindingError as e:
+        RECORD_REFUSALS.refused("spec", f"a run spec for {run_id} claiming bootstrap {peer_id}: {e}")
+        return ""
+    return peer_id
 
 
 async def fetch_run_ids(dht: hivemind.DHT) -> list[str]:
@@ -183,17 +252,6 @@ def is_bound(record: PeerRecord, record_key: Any, run_id: str) -> bool:
     if reason and BINDINGS.num_verified != before:
         RECORD_REFUSALS.refused("peer", f"a record claiming peer id {record.peer_id} in run {run_id}: {reason}")
     return not reason
-
-
-async def _fetch_valid(dht: hivemind.DHT, key: str, parse: Callable[[Any], T], *, what: str) -> list[T]:
-    """The values under ``key`` that ``parse`` accepts; each one it rejects is logged and dropped."""
-    parsed = []
-    for _, value in await _fetch_dictionary(dht, key):
-        try:
-            parsed.append(parse(value))
-        except ValueError as e:
-            logger.warning(f"ignoring a malformed {what}: {e}")
-    return parsed
 
 
 async def _fetch_dictionary(dht: hivemind.DHT, key: str) -> list[tuple[Any, Any]]:

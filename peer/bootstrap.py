@@ -8,7 +8,7 @@ import os
 
 from dht.node import DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import ModelSpec, RunSpec, even_stage_layers
-from dht.registry import declare_run_spec
+from dht.registry import declare_run_spec, fetch_run_specs, owner_fingerprint
 from peer.config import BootstrapConfig
 from peer.relayout import newest_layout_records
 from peer.status.service import StatusService, StatusSource
@@ -42,12 +42,15 @@ class BootstrapNode:
         self.spec = build_run_spec(config)
         self.dht = None
         self.validator = None
+        self.owner = ""  # owner_fingerprint of the record key the spec is signed with, once started
+        self.publishes = True  # false for a second bootstrap of another key's run (find_owner)
 
     def start(self) -> list[str]:
         """Start the DHT node; returns the multiaddrs peers should use (also written to a file if asked)."""
         node_config = DHTNodeConfig(initial_peers=self.config.initial_peers, host_maddrs=self.config.host_maddrs,
                                     announce_maddrs=self.config.announce_maddrs, identity_path=self.config.identity_path)
         self.dht, self.validator = open_dht(node_config)
+        self.owner = owner_fingerprint(self.validator.local_public_key)
         maddrs = visible_maddrs(self.dht)
         if self.config.maddrs_file:
             tmp = self.config.maddrs_file + ".tmp"
@@ -57,6 +60,9 @@ class BootstrapNode:
         return maddrs
 
     async def serve(self, stop: asyncio.Event) -> None:
+        if not self.publishes:
+            await stop.wait()  # a DHT entry point of another owner's run: it publishes nothing
+            return
         while not stop.is_set():
             try:
                 if not await declare_run_spec(self.dht, self.validator, self.spec):
@@ -67,6 +73,17 @@ class BootstrapNode:
                 await asyncio.wait_for(stop.wait(), timeout=self.config.spec_refresh_period)
             except asyncio.TimeoutError:
                 pass
+
+    async def find_owner(self) -> None:
+        """A second bootstrap (``--initial-peers``) of a run another key already publishes takes that
+        key as the run's owner and only serves the DHT (``publishes`` false); call after :meth:`start`."""
+        if not self.config.initial_peers:
+            return
+        others = [p for p in await fetch_run_specs(self.dht, self.spec.run_id) if p.owner != self.owner]
+        if others:
+            self.spec, self.owner, self.publishes = others[0].spec, others[0].owner, False
+            logger.info(f"run '{self.spec.run_id}' is already published by key {self.owner}: this node serves "
+                        f"the DHT and publishes no spec of its own")
 
     def shutdown(self) -> None:
         if self.dht is not None:

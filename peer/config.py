@@ -7,6 +7,7 @@ The command lines of ``run_peer.py`` and ``run_bootstrap.py`` are derived from t
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from dht.records import check_run_id, check_step_semantics
@@ -32,6 +33,7 @@ class PeerConfig:
 
     bootstrap: tuple[str, ...] = field(default=(), metadata=_help("multiaddr(s) of bootstrap or any live peer; give several for redundancy"))
     run_id: str = field(default="demo", metadata=_help("name of the run to join"))
+    run_owner: str | None = field(default=None, metadata=_help("the 32 hex digits of the run owner's key, as the bootstrap's join line prints them: only that key's run spec is trusted (default: the key of the bootstrap dialled)"))
     role: str = field(default="auto", metadata=_help("reliable (committed, hosts averaging), unreliable (may vanish; averages in client mode) or auto (reliable unless --client-mode)"))
     client_mode: bool = field(default=False, metadata=_help("accept no incoming DHT/averaging connections (behind NAT without relay)"))
     host_maddrs: tuple[str, ...] = field(default=(DEFAULT_HOST_MADDR,), metadata=_help("addresses to listen on"))
@@ -85,6 +87,8 @@ class PeerConfig:
         if not self.bootstrap:
             raise ValueError("give at least one --bootstrap multiaddr (printed by run_bootstrap.py)")
         check_run_id(self.run_id)
+        if self.run_owner is not None and not re.fullmatch(r"[0-9a-f]{32}", self.run_owner):
+            raise ValueError(f"--run-owner must be the 32 hex digits the bootstrap prints, got {self.run_owner!r:.60}")
         if self.role not in ("auto", "reliable", "unreliable"):
             raise ValueError(f"--role must be auto, reliable or unreliable, got {self.role!r}")
         if self.role == "reliable" and self.client_mode:

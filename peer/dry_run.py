@@ -21,7 +21,7 @@ from dht.records import PeerRecord, RunSpec
 from dht.registry import dht_time
 from peer.config import PeerConfig
 from peer.errors import UserError
-from peer.join import fetch_spec, open_swarm_dht, stage_costs
+from peer.join import bootstrap_peer_ids, fetch_spec, open_swarm_dht, stage_costs
 from peer.profiler import MIB, available_memory_bytes, measure_flops, resolve_device, stage_memory_bytes
 from planner.stage_choice import Joiner, StageMember, assign_joiners, stage_throughputs
 from swarm.view import SwarmView
@@ -83,7 +83,8 @@ async def dry_run(config: PeerConfig) -> str:
     view = None
     try:
         peer_id = dht.peer_id.to_base58()
-        spec = await fetch_spec(dht, config.run_id, timeout=config.join_timeout)
+        spec = await fetch_spec(dht, config.run_id, timeout=config.join_timeout, owner=config.run_owner,
+                                bootstraps=bootstrap_peer_ids(config.bootstrap))
         if config.stage >= spec.num_stages:
             raise UserError(f"--stage {config.stage} does not exist: run {spec.run_id} has {spec.num_stages} stages (0-{spec.num_stages - 1}).")
         device = resolve_device(config.device)

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import hivemind
@@ -21,7 +21,7 @@ from hivemind.p2p import P2P
 from dht.node import BootstrapError, DHTNodeConfig, open_dht
 from dht.records import PROTOCOL_VERSION, PeerRecord, RunSpec
 from dht.reputation import Reputation
-from dht.registry import fetch_run_ids, fetch_run_specs
+from dht.registry import PublishedSpec, fetch_run_ids, fetch_run_specs
 from peer.config import PeerConfig
 from peer.errors import UserError
 from planner.stage_choice import Joiner, StageMember, assign_joiners
@@ -34,6 +34,7 @@ from swarm.view import SwarmView
 logger = logging.getLogger(__name__)
 SPEC_POLL_PERIOD = 0.5
 CONFIRM_PERIOD = 0.5  # seconds between the two reads a joiner's stage choice must agree on
+OWNER_GRACE = 10.0  # seconds a peer with no --run-owner waits for its bootstrap's spec before trusting a lone publisher
 
 
 def dht_node_config(config: PeerConfig, *, is_visitor: bool = False) -> DHTNodeConfig:
@@ -68,26 +69,89 @@ async def open_swarm_dht(config: PeerConfig, *, is_visitor: bool = False) -> tup
         raise UserError(f"Cannot reach the swarm: {e}; check that the bootstrap is running and its multiaddr is right.") from e
 
 
-async def fetch_spec(dht: hivemind.DHT, run_id: str, *, timeout: float,
-                     clock: Callable[[], float] = time.monotonic) -> RunSpec:
-    """The run's spec, polled until ``timeout`` (on ``clock``); several conflicting specs → the first by publisher key.
+def bootstrap_peer_ids(maddrs: Iterable[str]) -> set[str]:
+    """The peer ids named by ``/p2p/<id>`` at the end of the ``--bootstrap`` multiaddrs."""
+    return {maddr.rsplit("/p2p/", 1)[1] for maddr in maddrs if "/p2p/" in maddr}
+
+
+class SpecChooser:
+    """Which of the specs published under a run id a joiner trusts: the run's owner's (docs/security.md).
+
+    Anyone can publish a well-signed spec under any run id, so a peer trusts one owner key:
+    - the one pinned with ``--run-owner`` (the bootstrap prints it in its join line);
+    - else the key that a bootstrap it dialled (``/p2p/<id>`` in ``--bootstrap``) bound to itself;
+    - else, after ``grace`` seconds (on ``clock``) with no such spec, the key of the only publisher
+      (trusted on first use); several publishers and nothing to decide between them is the user's
+      to settle with ``--run-owner``.
+    Every other publisher's spec is refused and named in the log, once per key.
+    """
+
+    def __init__(self, run_id: str, *, owner: str | None = None, bootstraps: Iterable[str] = (),
+                 grace: float = OWNER_GRACE, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_id, self.owner, self.bootstraps = run_id, owner, set(bootstraps)
+        self.grace, self.clock = grace, clock
+        self.started = clock()
+        self.refused: set[str] = set()  # the owners of specs refused (and logged) so far
+        self.trusted: PublishedSpec | None = None
+
+    def choose(self, published: list[PublishedSpec]) -> PublishedSpec | None:
+        """The trusted spec among ``published``, or None to read again later.
+
+        Raises:
+            UserError: several keys publish the run and neither a pin nor a dialled bootstrap decides.
+        """
+        if self.owner:
+            chosen, why = [p for p in published if p.owner == self.owner], "pinned with --run-owner"
+        else:
+            chosen = [p for p in published if p.bootstrap in self.bootstraps]
+            why = f"the key of bootstrap {chosen[0].bootstrap}" if chosen else ""
+            if not chosen and published and self.clock() - self.started >= self.grace:
+                chosen, why = published, "the only key that publishes it, trusted on first use"
+            if len({p.owner for p in chosen}) > 1:
+                raise UserError(f"{len({p.owner for p in chosen})} keys publish run '{self.run_id}' "
+                                f"({', '.join(sorted({p.owner for p in chosen}))}) and nothing tells which owns it; "
+                                f"pin the owner with --run-owner <key> as its bootstrap's join line prints it.")
+        if not chosen:
+            return None
+        pick = chosen[0]
+        for other in published:
+            if other.owner != pick.owner and other.owner not in self.refused:
+                self.refused.add(other.owner)
+                by = f" (bootstrap {other.bootstrap})" if other.bootstrap else ""
+                logger.warning(f"refused a run spec for '{self.run_id}' published by key {other.owner}{by}: "
+                               f"the run's owner is key {pick.owner}")
+        if self.trusted is None:
+            pin = "" if self.owner else f"; pin it with --run-owner {pick.owner}"
+            logger.info(f"run '{self.run_id}' is owned by key {pick.owner} ({why}){pin}")
+        self.trusted = pick
+        return pick
+
+
+async def fetch_spec(dht: hivemind.DHT, run_id: str, *, timeout: float, owner: str | None = None,
+                     bootstraps: Iterable[str] = (), clock: Callable[[], float] = time.monotonic) -> RunSpec:
+    """The run's spec, as its owner published it (:class:`SpecChooser`), polled until ``timeout`` (on ``clock``).
 
     Raises:
-        UserError: nobody in this swarm serves ``run_id``.
+        UserError: nobody in this swarm serves ``run_id``, or not under the owner key pinned, or
+            several keys do and nothing tells which owns it.
     """
     deadline = clock() + timeout
+    chooser = SpecChooser(run_id, owner=owner, bootstraps=bootstraps, grace=min(OWNER_GRACE, timeout / 2), clock=clock)
     while True:
-        specs = await fetch_run_specs(dht, run_id)
-        if specs:
-            if len({repr(s.to_wire()) for s in specs}) > 1:
-                logger.warning(f"{len(specs)} different specs are published for run {run_id}; using the first")
-            if specs[0].protocol_version != PROTOCOL_VERSION:
-                raise UserError(f"Run '{run_id}' speaks Murmuration protocol {specs[0].protocol_version} and this peer "
-                                f"speaks {PROTOCOL_VERSION}; install the Murmuration version the run's bootstrap runs.")
-            return specs[0]
+        published = await fetch_run_specs(dht, run_id)
+        chosen = chooser.choose(published)
+        if chosen is not None:
+            if chosen.spec.protocol_version != PROTOCOL_VERSION:
+                raise UserError(f"Run '{run_id}' speaks Murmuration protocol {chosen.spec.protocol_version} and this "
+                                f"peer speaks {PROTOCOL_VERSION}; install the Murmuration version the run's bootstrap runs.")
+            return chosen.spec
         if clock() >= deadline:
             break
         await asyncio.sleep(SPEC_POLL_PERIOD)
+    if published and owner:
+        keys = ", ".join(sorted({p.owner for p in published}))
+        raise UserError(f"Run '{run_id}' is not published by the owner key {owner} you pinned (only by {keys}); "
+                        f"check --run-owner against the bootstrap's join line.")
     known = await fetch_run_ids(dht)
     seen = f"runs it serves: {', '.join(known)}" if known else "it lists no runs yet"
     raise UserError(f"No run named '{run_id}' is served by this swarm ({seen}); check --run-id or the bootstrap address.")

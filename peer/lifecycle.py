@@ -42,7 +42,7 @@ from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.event_log import EventLog
 from peer.faults import inject_bad_updates, read_faults
-from peer.join import fetch_spec, negotiate_stage, open_swarm_dht
+from peer.join import bootstrap_peer_ids, fetch_spec, negotiate_stage, open_swarm_dht
 from peer.profiler import measure_flops, resolve_device, stage_memory_budget
 from peer.relayout import Handoff, LayoutChange, joiner_layout
 from peer.session import PeerContext, StageSession
@@ -132,7 +132,9 @@ class Peer:
         self.peer_id = self.dht.peer_id.to_base58()
         self.maddrs = tuple(visible_maddrs(self.dht)[:4])  # read once: every heartbeat carries them
         logger.info(f"joined the DHT as {self.peer_id} ({self.role}); reachable at {' '.join(self.maddrs)}")
-        self.spec = self.base_spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout)
+        self.spec = self.base_spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout,
+                                                      owner=config.run_owner,
+                                                      bootstraps=bootstrap_peer_ids(config.bootstrap))
         logger.info(f"run spec: {self.spec.describe()}")
         self.history = StatusHistory(seq_len=self.spec.model.seq_len)
         corpus = self._load_corpus()  # before choosing a stage: a data mistake is the user's to fix

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +92,16 @@ class LocalSwarm:
             raise RuntimeError(f"the bootstrap exited:\n{self.bootstrap.log_tail()}")
         self.maddrs = maddrs_file.read_text().split()
         return self.maddrs
+
+    def run_owner(self, timeout: float = 30.0) -> str:
+        """The owner key the bootstrap logs just after it wrote its multiaddrs (``--run-owner``)."""
+        pattern = re.compile(r"is owned by key ([0-9a-f]{32})")
+        wait_for(lambda: pattern.search(self.bootstrap.log_path.read_text()) or not self.bootstrap.is_alive(), timeout,
+                 "the bootstrap to name its run's owner")
+        found = pattern.search(self.bootstrap.log_path.read_text())
+        if found is None:
+            raise RuntimeError(f"the bootstrap exited:\n{self.bootstrap.log_tail()}")
+        return found.group(1)
 
     def start_peer(self, *args: str, bootstrap: Sequence[str] | None = None, run_id: str | None = None,
                    env: Mapping[str, str] | None = None, host: str | None = None,

@@ -341,7 +341,7 @@ def test_garbage_dht_records_under_the_run_keys_are_refused_or_ignored(swarm):
     # stored, for the readers to drop. store() reports the answer of whichever replica answered last, and
     # a busy peer's store RPC now and then times out (2 of 1,000 in two of five runs): hence not all.
     assert result["stored"]["signed garbage"] >= 0.98 * DHT_GARBAGE_RECORDS
-    assert len(result["peers"]) == 2 and [s.run_id for s in result["specs"]] == [RUN_ID]
+    assert len(result["peers"]) == 2 and [p.spec.run_id for p in result["specs"]] == [RUN_ID]
     wait_for(lambda: swarm.local.peers[0].log_path.read_text().count("ignoring a malformed peer record") > log_before,
              30, "a peer to read and drop a garbage record")
     wait_for(lambda: len(swarm.losses()) >= before + 10, 60, "10 more microbatches")

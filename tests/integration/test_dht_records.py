@@ -8,9 +8,13 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from dht.records import PROTOCOL_VERSION, RUNS_KEY, PeerRecord, RunSpec, peers_key, spec_key
-from dht.registry import declare_peer, declare_run_spec, fetch_peers, fetch_run_ids, fetch_run_specs
+from dht.registry import declare_peer, declare_run_spec, fetch_peers, fetch_run_ids, fetch_run_specs, owner_fingerprint
 from peer.errors import UserError
 from peer.join import fetch_spec
+
+
+def specs_of(published) -> list[RunSpec]:
+    return [p.spec for p in published]
 
 
 def test_spec_published_by_one_node_is_read_by_another(dht_nodes):
@@ -19,7 +23,7 @@ def test_spec_published_by_one_node_is_read_by_another(dht_nodes):
 
     async def main():
         assert await declare_run_spec(publisher, validator, spec)
-        assert await fetch_run_specs(reader, "alpha") == [spec]
+        assert specs_of(await fetch_run_specs(reader, "alpha")) == [spec]
         assert await fetch_run_specs(reader, "beta") == []
         assert await fetch_run_ids(reader) == ["alpha"]
 
@@ -36,13 +40,53 @@ def test_a_record_under_someone_elses_key_is_refused(dht_nodes):
         stored = await forger.store(spec_key("alpha"), forged, get_dht_time() + 60,
                                     subkey=owner_validator.local_public_key, return_future=True)
         assert not stored
-        assert await fetch_run_specs(reader, "alpha") == [spec]
+        assert specs_of(await fetch_run_specs(reader, "alpha")) == [spec]
 
     asyncio.run(main())
 
 
 def peer_id(dht) -> str:
     return dht.peer_id.to_base58()
+
+
+def test_a_spec_names_its_owner_key_and_the_bootstrap_that_vouches_for_it(dht_nodes):
+    (owner, owner_validator), (rogue, rogue_validator), (reader, _) = dht_nodes
+
+    async def main():
+        assert await declare_run_spec(owner, owner_validator, RunSpec(run_id="alpha", seed=1))
+        assert await declare_run_spec(rogue, rogue_validator, RunSpec(run_id="alpha", seed=666))
+        published = {p.owner: p for p in await fetch_run_specs(reader, "alpha")}
+        mine, theirs = owner_fingerprint(owner_validator.local_public_key), owner_fingerprint(rogue_validator.local_public_key)
+        assert set(published) == {mine, theirs}
+        assert (published[mine].spec.seed, published[mine].bootstrap) == (1, peer_id(owner))
+        assert (published[theirs].spec.seed, published[theirs].bootstrap) == (666, peer_id(rogue))
+        # a reader that dialled the owner, or pinned its key, takes the owner's spec whichever key sorts first
+        assert (await fetch_spec(reader, "alpha", timeout=5.0, bootstraps={peer_id(owner)})).seed == 1
+        assert (await fetch_spec(reader, "alpha", timeout=5.0, owner=mine)).seed == 1
+        assert (await fetch_spec(reader, "alpha", timeout=5.0, owner=theirs)).seed == 666
+        with pytest.raises(UserError, match="2 keys publish run 'alpha'.*--run-owner"):
+            await fetch_spec(reader, "alpha", timeout=1.0)  # nothing tells them apart
+        with pytest.raises(UserError, match="not published by the owner key 0{32} you pinned"):
+            await fetch_spec(reader, "alpha", timeout=1.0, owner="0" * 32)
+
+    asyncio.run(main())
+
+
+def test_a_binding_copied_from_the_bootstraps_spec_does_not_vouch_for_another_key(dht_nodes):
+    (owner, owner_validator), (rogue, rogue_validator), (reader, _) = dht_nodes
+
+    async def main():
+        assert await declare_run_spec(owner, owner_validator, RunSpec(run_id="alpha", seed=1))
+        found = await owner.get(spec_key("alpha"), latest=True, return_future=True)
+        stolen = next(iter(found.value.values())).value["owner_binding"]
+        forged = {**RunSpec(run_id="alpha", seed=666).to_wire(), "owner_binding": stolen}
+        assert await rogue.store(spec_key("alpha"), forged, get_dht_time() + 60,
+                                 subkey=rogue_validator.local_public_key, return_future=True)
+        published = {p.spec.seed: p for p in await fetch_run_specs(reader, "alpha")}
+        assert published[666].bootstrap == "" and published[1].bootstrap == peer_id(owner)
+        assert (await fetch_spec(reader, "alpha", timeout=5.0, bootstraps={peer_id(owner)})).seed == 1
+
+    asyncio.run(main())
 
 
 def test_malformed_peer_records_are_dropped_and_valid_ones_kept(dht_nodes):
