@@ -155,9 +155,11 @@ async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -
     import replication.transfer as transfer
     from dht.rpc import call_peer
     from replication.config import TransferConfig
+    from replication.layout import StateLayout
     from replication.server import manifest_handler
 
     p2p = await dht.replicate_p2p()
+    layout = StateLayout.from_tensors(expected)  # as a peer pulls: only this layout's manifest is accepted
     config = TransferConfig(shard_timeout_floor=30.0)
     peer_ids = [d["peer_id"] for d in donors]
     for peer_id in peer_ids:  # warm-up: each donor's snapshot copy (see the module docstring)
@@ -177,7 +179,8 @@ async def measure_ours(dht, donors: list[dict], expected: dict, workdir: Path) -
             started, cpu = time.perf_counter(), joiner_cpu_seconds()
             async with asyncio.timeout(METHOD_TIMEOUT):
                 result = await transfer.pull_state(p2p, chosen, run_id=RUN_ID, stage=STAGE,
-                                                   store_dir=Path(tempfile.mkdtemp(dir=workdir)), config=method_config)
+                                                   store_dir=Path(tempfile.mkdtemp(dir=workdir)), config=method_config,
+                                                   expected=layout)
             results[method] = (time.perf_counter() - started, joiner_cpu_seconds() - cpu)
         finally:
             transfer.probe_donors = real_probe

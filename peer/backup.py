@@ -44,9 +44,11 @@ from planner.backup_plan import BackupCopy, Rescue, assign_backups, choose_rescu
 from planner.claims import credible_copies
 from planner.stage_choice import StageMember
 from replication.config import TransferConfig
+from replication.layout import StateLayout
 from replication.server import SnapshotFn
 from replication.transfer import PullResult, TransferError, pull_state
 from swarm.model import stage_flops_per_sample, stage_num_params
+from swarm.stage_state import served_state_template
 from swarm.view import SwarmView
 
 __all__ = ["BackupKeeper", "RescueWatch", "StageBackup", "advertised_copies", "pull_copy", "serve_backup", "state_digest"]
@@ -129,16 +131,19 @@ async def pull_copy(
     reputation: Reputation | None = None,
 ) -> PullResult:
     """A copy of ``stage``'s state (its holders') or of a backup of it (its keepers'), in memory, from
-    ``donors`` under ``spec``'s layout; one donor's manifest is enough (``min_agreeing_donors=1``).
+    ``donors`` under ``spec``'s layout; one donor's manifest is enough (``min_agreeing_donors=1``), and
+    only a manifest of exactly the layout ``spec`` implies for ``stage`` is accepted: one that claims
+    anything else is refused before anything is allocated, and its donor struck in ``reputation``.
 
     Raises:
         TransferError, ValueError: as ``pull_state``.
     """
+    expected = StateLayout.from_tensors(served_state_template(spec, stage))
     state_bytes = 3 * 4 * stage_num_params(spec, stage)  # float32 parameters and two AdamW moments
     transfer = TransferConfig.for_state(state_bytes, request_timeout=request_timeout, min_agreeing_donors=1)
     with tempfile.TemporaryDirectory(prefix="murmuration-copy-") as store_dir:
         return await pull_state(p2p, donors, run_id=spec.namespace, stage=stage, store_dir=Path(store_dir),
-                                config=transfer, reputation=reputation)
+                                config=transfer, reputation=reputation, expected=expected)
 
 
 class BackupKeeper:
@@ -152,9 +157,9 @@ class BackupKeeper:
 
     def __init__(self, p2p: P2P, view: SwarmView, spec: RunSpec, *, peer_id: str, config: PeerConfig,
                  metrics: EventLog, clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, reputation: Reputation | None = None) -> None:
         self.p2p, self.view, self.spec, self.peer_id = p2p, view, spec, peer_id
-        self.config, self.metrics = config, metrics
+        self.config, self.metrics, self.reputation = config, metrics, reputation
         self.clock, self.rng = clock, rng if rng is not None else random.Random()
         self.backup: StageBackup | None = None
         self._failed_at = -float("inf")  # a failed pull waits a period before the next try
@@ -223,7 +228,8 @@ class BackupKeeper:
     async def _pull(self, stage: int, holder: PeerRecord) -> None:
         started = self.clock()
         try:
-            result = await pull_copy(self.p2p, self.spec, stage, [holder.peer_id], request_timeout=self.config.request_timeout)
+            result = await pull_copy(self.p2p, self.spec, stage, [holder.peer_id],
+                                     request_timeout=self.config.request_timeout, reputation=self.reputation)
             _check_identity(self.spec, stage, result.state)
         except (TransferError, ValueError) as e:
             self._failed_at = self.clock()

@@ -6,7 +6,9 @@ joiner would download (``Stage.state_tensors``: parameters, AdamW state, step co
 identity). It is written to a temporary file in the same folder, flushed to disk and renamed over
 the old one, so a crash mid-write leaves the previous checkpoint whole. The header records the run,
 the stage, the optimizer step and a digest of the model and its stage layout; a checkpoint of
-another run, stage or model is refused with a sentence saying so, never loaded.
+another run, stage or model is refused with a sentence saying so, never loaded. Its tensor table
+(names, dtypes, shapes) must be exactly the one the run spec implies for the stage
+(``swarm.stage_state.state_template``), checked from the header before any tensor is read.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dht.records import RunSpec
+from replication.layout import StateLayout
+from swarm.stage_state import state_template
 
 __all__ = ["CheckpointError", "WriteProgress", "checkpoint_path", "load_checkpoint", "save_checkpoint", "spec_digest"]
 
@@ -35,6 +39,7 @@ _SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in _SAFETENSORS_DTYPES.items()}
 
 
 class WriteProgress:
@@ -140,8 +145,8 @@ def _safetensors_header(state: dict[str, torch.Tensor], metadata: dict[str, str]
     return len(encoded).to_bytes(8, "little") + encoded, tensors
 
 
-def _read_metadata(path: Path) -> dict[str, Any]:
-    """The ``__metadata__`` of the safetensors file at ``path`` (empty if it has none).
+def _read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of the safetensors file at ``path``: its tensor table and ``__metadata__``.
 
     Raises:
         OSError: it cannot be read. ValueError: it is not a safetensors file (CheckpointError).
@@ -151,24 +156,53 @@ def _read_metadata(path: Path) -> dict[str, Any]:
         if not 0 < header_size <= 100 * 2**20:
             raise CheckpointError(f"{path} is not a safetensors file")
         header = json.loads(file.read(header_size))
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file")
+    return header
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
+    """The ``__metadata__`` of the safetensors file at ``path`` (empty if it has none).
+
+    Raises:
+        OSError: it cannot be read. ValueError: it is not a safetensors file (CheckpointError).
+    """
+    return _metadata_of(_read_header(path))
+
+
+def _metadata_of(header: dict[str, Any]) -> dict[str, Any]:
+    metadata = header.get("__metadata__")
     return metadata if isinstance(metadata, dict) else {}
 
 
+def _tensor_table(header: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype name, shape) of every tensor a safetensors header lists, as written by this module."""
+    table = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = (entry.get("dtype"), entry.get("shape")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(dtype, str) or dtype not in _DTYPE_NAMES or not isinstance(shape, list):
+            raise ValueError(f"its entry {name!r} has no valid dtype and shape")
+        table.append((name, _DTYPE_NAMES[dtype], tuple(shape)))
+    return table
+
+
 def load_checkpoint(path: Path, *, spec: RunSpec, stage: int) -> tuple[int, dict[str, torch.Tensor]]:
-    """The (version, state) of the checkpoint at ``path``, checked to be of this run, stage and model.
+    """The (version, state) of the checkpoint at ``path``, checked to be of this run, stage and model,
+    and its tensor table to be the one ``spec`` implies for ``stage``, before any tensor is read.
 
     Raises:
         FileNotFoundError: there is none.
         CheckpointError: it is unreadable or of something else.
     """
     try:
-        metadata = _read_metadata(path)
-        state = load_file(path)
+        header = _read_header(path)
     except FileNotFoundError:
         raise
-    except (OSError, ValueError, SafetensorError) as e:
-        raise CheckpointError(f"cannot read the checkpoint {path}: {e}; delete it or point --checkpoint-dir elsewhere") from e
+    except (OSError, ValueError) as e:
+        raise _unreadable(path, e) from e
+    metadata = _metadata_of(header)
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a Murmuration stage checkpoint; point --checkpoint-dir elsewhere")
     if metadata.get("run_id") != spec.run_id or metadata.get("stage") != str(stage):
@@ -181,4 +215,17 @@ def load_checkpoint(path: Path, *, spec: RunSpec, stage: int) -> tuple[int, dict
         version = int(metadata.get("version", ""))
     except ValueError as e:
         raise CheckpointError(f"{path} has no valid version in its header") from e
+    try:
+        mismatch = StateLayout.from_tensors(state_template(spec, stage)).mismatch(_tensor_table(header))
+        if mismatch is not None:  # refused from the header: nothing is allocated for its tensors
+            raise CheckpointError(f"it is not the state the run spec implies for stage {stage}: {mismatch}")
+        state = load_file(path)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, SafetensorError) as e:
+        raise _unreadable(path, e) from e
     return version, state
+
+
+def _unreadable(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(f"cannot read the checkpoint {path}: {error}; delete it or point --checkpoint-dir elsewhere")

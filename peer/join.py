@@ -26,9 +26,11 @@ from peer.config import PeerConfig
 from peer.errors import UserError
 from planner.stage_choice import Joiner, StageMember, assign_joiners
 from replication.config import TransferConfig
+from replication.layout import StateLayout
 from replication.transfer import PullResult, pull_state
 from swarm.model import stage_flops_per_sample
 from swarm.stage import Stage
+from swarm.stage_state import served_state_template
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -240,17 +242,22 @@ async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *,
     ``min_agreeing_donors`` of the holders agree on (fewer if fewer answer), and re-planned onto
     the others if a holder fails; with ``--state-cache`` an interrupted join resumes from the
     shards it already has. The keepers of a stage's backups may hold different versions: pulled
-    from with ``min_agreeing_donors=1``, the newest wins. A holder that serves a piece that does not
-    match its digest is struck in ``reputation`` (banned holders are not asked).
+    from with ``min_agreeing_donors=1``, the newest wins. Only a manifest of exactly the layout the run
+    spec implies for the stage is accepted (``swarm.stage_state.served_state_template``): a holder that
+    offers any other is refused before anything is allocated for it. A holder whose manifest is refused,
+    or that serves a piece that does not match its digest, is struck in ``reputation`` (banned holders
+    are not asked).
 
     Raises:
         TransferError: no holder could serve the state.
     """
+    expected = StateLayout.from_tensors(served_state_template(stage.spec, stage.index))
     transfer = TransferConfig.for_state(stage_state_bytes(stage), request_timeout=config.request_timeout,
                                         min_agreeing_donors=min(min_agreeing_donors, len(holders)))
     with _state_dir(config, stage) as store_dir:
         result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.namespace,
-                                  stage=stage.index, store_dir=store_dir, config=transfer, reputation=reputation)
+                                  stage=stage.index, store_dir=store_dir, config=transfer, reputation=reputation,
+                                  expected=expected)
     await stage.run(stage.load_state_tensors, result.state)
     return result
 

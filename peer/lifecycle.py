@@ -156,7 +156,8 @@ class Peer:
         self.p2p = await self.dht.replicate_p2p()
         self.status_protocol = StatusProtocol(self.p2p, lambda: local_status(self.snapshot, self.history))
         await self.status_protocol.start()
-        self.keeper = BackupKeeper(self.p2p, self.view, self.spec, peer_id=self.peer_id, config=config, metrics=self.metrics)
+        self.keeper = BackupKeeper(self.p2p, self.view, self.spec, peer_id=self.peer_id, config=config, metrics=self.metrics,
+                                   reputation=self.reputation)
         self.ctx = PeerContext(config=config, role=self.role, peer_id=self.peer_id, dht=self.dht, p2p=self.p2p,
                                view=self.view, base_spec=self.base_spec, keeper=self.keeper, metrics=self.metrics,
                                reputation=self.reputation, faults=self.faults, corpus=corpus)

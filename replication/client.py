@@ -17,6 +17,7 @@ from dht.reputation import Reputation
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
 from dht.wire import ProtocolError
 from replication.config import TransferConfig
+from replication.layout import StateLayout
 from replication.manifest import Manifest, ManifestError, piece_size_for
 from replication.server import manifest_handler, padded_bytes, probe_handler, shard_handler, unpack_bytes
 
@@ -34,6 +35,7 @@ class Session:
     stage: int
     config: TransferConfig
     reputation: Reputation | None = None  # strikes donors caught lying (replication/fetcher.py)
+    expected: StateLayout | None = None  # the layout the run spec implies: any other manifest is refused
 
 
 async def call_probe(p2p: P2P, peer_id: str, *, run_id: str, nbytes: int, timeout: float) -> float:
@@ -49,18 +51,26 @@ async def call_probe(p2p: P2P, peer_id: str, *, run_id: str, nbytes: int, timeou
 
 async def call_manifest(session: Session, peer_id: str, *, piece_bytes: int, version: int | None) -> Manifest:
     """The donor's manifest at the piece size ``piece_size_for`` gives its state and ``piece_bytes``
-    (of ``version`` if given), checked to be what we asked for."""
+    (of ``version`` if given), checked to be what we asked for and, with ``session.expected``, to
+    describe exactly that layout (capped by it while parsed: nothing is sized from a larger claim).
+
+    Raises:
+        ManifestError: the manifest is malformed, of something else, or of another layout.
+    """
     header: dict[str, Any] = {"stage": session.stage, "shard_bytes": piece_bytes}
     if version is not None:
         header["version"] = version
-    config = session.config
+    config, expected = session.config, session.expected
     reply, _ = await call_peer(session.p2p, peer_id, manifest_handler(session.run_id), header,
                                timeout=config.request_timeout, max_payload_bytes=0)
-    manifest = Manifest.from_wire(reply.get("manifest"), limits=config.manifest_limits)
+    limits = config.manifest_limits if expected is None else expected.limits(config.manifest_limits)
+    manifest = Manifest.from_wire(reply.get("manifest"), limits=limits)
     # the donor doubles the piece size until the manifest is small; the result is deterministic
     wanted = (session.run_id, session.stage, piece_size_for(manifest.total_bytes, piece_bytes))
     if (manifest.run_id, manifest.stage, manifest.shard_bytes) != wanted or version not in (None, manifest.version):
         raise ManifestError(f"{peer_id[-6:]} sent a manifest for something else than {wanted} v{version}")
+    if expected is not None:
+        expected.check_manifest(manifest)
     return manifest
 
 

@@ -19,6 +19,11 @@ __all__ = ["TransferConfig", "piece_bytes_of"]
 MIN_PIECE_BYTES = 64 * 1024
 MAX_PIECE_BYTES = 1024 * 1024
 PIECES_PER_STATE = 64  # a small stage still spreads over several holders
+# for_state caps a manifest at this many times the state its caller expects (plus MANIFEST_SLACK_BYTES):
+# a caller's estimate may leave out small tensors (0-d step counters, the stage's identity), and a
+# pull that knows the exact layout caps it at exactly that (replication/layout.py).
+MANIFEST_SLACK_FACTOR = 2
+MANIFEST_SLACK_BYTES = 1024 * 1024
 
 
 def piece_bytes_of(state_bytes: int) -> int:
@@ -54,7 +59,8 @@ class TransferConfig:
             drop stalling donors sooner, raise it on links whose speed swings.
         min_agreeing_donors: manifests that must be identical before any shard is fetched
             (fewer only when fewer donors answered).
-        manifest_limits: caps on what a donor's manifest may make us allocate.
+        manifest_limits: caps on what a donor's manifest may make us allocate (a pull with an
+            expected layout replaces the byte and tensor caps with exactly that layout's).
     """
 
     piece_bytes: int = 1024 * 1024
@@ -93,10 +99,12 @@ class TransferConfig:
     def for_state(cls, state_bytes: int, *, request_timeout: float, min_agreeing_donors: int) -> TransferConfig:
         """The config a peer pulls a state of about ``state_bytes`` with: the defaults, hashed at
         ``piece_bytes_of(state_bytes)``, so every puller of the same state asks for the same piece
-        size and its donors hash each version once.
+        size and its donors hash each version once; a manifest may claim at most
+        ``MANIFEST_SLACK_FACTOR`` times ``state_bytes`` (plus ``MANIFEST_SLACK_BYTES``).
 
         Raises:
             ValueError: as the constructor (``min_agreeing_donors`` < 1, ``request_timeout`` <= 0).
         """
+        cap = MANIFEST_SLACK_FACTOR * max(state_bytes, 0) + MANIFEST_SLACK_BYTES
         return cls(piece_bytes=piece_bytes_of(state_bytes), request_timeout=request_timeout,
-                   min_agreeing_donors=min_agreeing_donors)
+                   min_agreeing_donors=min_agreeing_donors, manifest_limits=ManifestLimits(max_total_bytes=cap))

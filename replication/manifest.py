@@ -208,7 +208,10 @@ class Manifest:
             raise ManifestError(f"manifest keys differ from the format: {sorted(map(str, wire))}")
         if _require_int(wire["format"], "format") != WIRE_FORMAT or wire["hash"] != HASH_NAME:
             raise ManifestError(f"unsupported format {wire['format']!r} / hash {wire['hash']!r}")
-        total_bytes = _require_int(wire["total_bytes"], "total_bytes", high=limits.max_total_bytes)
+        total_bytes = _require_int(wire["total_bytes"], "total_bytes")
+        if total_bytes > limits.max_total_bytes:  # before anything is sized from it
+            raise ManifestError(f"the manifest claims {total_bytes} bytes of state, more than the "
+                                f"{limits.max_total_bytes} accepted")
         shard_bytes = _require_int(wire["shard_bytes"], "shard_bytes", low=1)
         num_shards = count_shards(total_bytes, shard_bytes)
         if num_shards > limits.max_num_shards:
@@ -216,8 +219,11 @@ class Manifest:
         hashes, rows = wire["shard_hashes"], wire["tensors"]
         if not isinstance(hashes, list) or len(hashes) != num_shards:
             raise ManifestError(f"shard_hashes must be a list of {num_shards} digests")
-        if not isinstance(rows, list) or len(rows) > limits.max_num_tensors:
-            raise ManifestError(f"tensors must be a list of at most {limits.max_num_tensors}")
+        if not isinstance(rows, list):
+            raise ManifestError("tensors must be a list")
+        if len(rows) > limits.max_num_tensors:
+            raise ManifestError(f"the manifest lists {len(rows)} tensors, more than the "
+                                f"{limits.max_num_tensors} accepted")
         return cls(
             run_id=_require_str(wire["run_id"], "run_id", max_length=limits.max_name_length),
             stage=_require_int(wire["stage"], "stage"),

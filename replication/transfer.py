@@ -38,8 +38,9 @@ from dht.reputation import Reputation
 from replication.assignment import NeighbourLink, plan_replication
 from replication.client import DONOR_FAULTS, Session, call_manifest, call_probe
 from replication.config import TransferConfig
-from replication.fetcher import PieceFetcher, split_runs
-from replication.manifest import Manifest, restore_state
+from replication.fetcher import CORRUPT_PIECE_STRIKES, PieceFetcher, split_runs
+from replication.layout import StateLayout
+from replication.manifest import Manifest, ManifestError, restore_state
 from replication.pull_report import DisagreementError, PullReport, TransferError, drop_donor
 from replication.shard_store import ShardStore
 
@@ -54,6 +55,10 @@ MIN_PER_BYTE_DELAY = 1e-11  # 100 GB/s: a floor so that loopback noise never giv
 # several requests per donor the rates measured on the first ones correct the plan, and the end game
 # can copy a late one, whereas one huge request per donor can be neither moved nor copied cheaply.
 MIN_RUNS_PER_DONOR = 16
+# An honest donor builds its manifest with build_manifest from the stage the run spec describes, so
+# one that does not parse, is of something else or of another layout is proof of lying, as a
+# corrupt piece is: it weighs as much.
+REFUSED_MANIFEST_STRIKES = CORRUPT_PIECE_STRIKES
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,10 @@ async def agree_on_manifest(
 ) -> tuple[list[str], Manifest]:
     """The manifest the largest group of donors agrees on, and that group (seed 003 §III-A's K).
 
+    A donor whose manifest is refused (malformed, of something else, or not of ``session.expected``)
+    is dropped and struck ``REFUSED_MANIFEST_STRIKES`` times in ``session.reputation``: nothing was
+    allocated for it.
+
     Raises:
         TransferError: no donor answered, or fewer than ``min_agreeing_donors`` agree although
             that many answered.
@@ -105,6 +114,11 @@ async def agree_on_manifest(
     async def fetch(peer_id: str) -> Manifest | None:
         try:
             return await call_manifest(session, peer_id, piece_bytes=config.piece_bytes, version=version)
+        except ManifestError as e:
+            drop_donor(report, peer_id, f"manifest refused: {e}")
+            if session.reputation is not None:
+                session.reputation.strike(peer_id, f"sent a refused manifest: {e}", weight=REFUSED_MANIFEST_STRIKES)
+            return None
         except DONOR_FAULTS as e:
             drop_donor(report, peer_id, f"manifest request failed: {e}")
             return None
@@ -129,12 +143,15 @@ async def agree_on_manifest(
 
 async def pull_state(
     p2p: P2P, donors: Sequence[str], *, run_id: str, stage: int, store_dir: Path, config: TransferConfig,
-    reputation: Reputation | None = None,
+    reputation: Reputation | None = None, expected: StateLayout | None = None,
 ) -> PullResult:
     """Pulls stage ``stage``'s state from ``donors`` (seed 003 §III), resuming from ``store_dir``.
 
-    With ``reputation``, banned donors are not asked, and a donor that sends a piece that does not
-    match the agreed manifest is struck ``CORRUPT_PIECE_STRIKES`` times (``replication/fetcher.py``).
+    ``expected``: the layout the run spec implies (``swarm.stage_state.served_state_template``); a
+    manifest of any other is refused before anything is sized from it. None (``config.manifest_limits``
+    only) is for synthetic states in tests and benchmarks. With ``reputation``, banned donors are not
+    asked, one whose manifest is refused is struck ``REFUSED_MANIFEST_STRIKES`` times, and one that sends
+    a piece that does not match the agreed manifest ``CORRUPT_PIECE_STRIKES`` times (``fetcher.py``).
 
     Raises:
         TransferError: the state could not be completed; its ``report`` says which donor failed how.
@@ -150,7 +167,7 @@ async def pull_state(
             donors.remove(peer_id)
         if not donors:
             raise TransferError("every donor is banned here", report)
-    session = Session(p2p, run_id, stage, config, reputation)
+    session = Session(p2p, run_id, stage, config, reputation, expected)
     links, (agreeing, manifest) = await asyncio.gather(
         probe_donors(session, donors, report), agree_on_manifest(session, donors, report))
     usable = {peer_id: links[peer_id] for peer_id in agreeing if peer_id in links}

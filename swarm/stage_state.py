@@ -4,6 +4,10 @@ backups carry (:meth:`swarm.stage.Stage.state_tensors` and :meth:`~swarm.stage.S
 Keys: ``model.<name>`` (parameters and buffers), ``optim.<parameter>.<entry>`` (AdamW's ``exp_avg``,
 ``exp_avg_sq``, ``step``), ``counters.num_steps`` (the replica's step count or batch number) and
 ``stage.layers`` (``[stage, first block, end block]``: the identity a loaded state must match).
+What a holder serves to joiners and backup keepers is that less ``counters.num_steps``
+(:meth:`~swarm.stage.Stage.keep_snapshot`); :func:`state_template` and :func:`served_state_template`
+give the layout of both from the run spec alone, so that a puller checks what it is offered
+before it allocates anything (replication/layout.py).
 """
 
 from __future__ import annotations
@@ -13,6 +17,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from dht.records import RunSpec
+from swarm.model import StageModel
+
+STEP_COUNTER_KEY = "counters.num_steps"  # local bookkeeping: replicas differ here, so it is not served
 
 
 @dataclass
@@ -51,6 +60,32 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, n
     state["counters.num_steps"] = torch.tensor(num_steps, dtype=torch.int64)
     state["stage.layers"] = identity
     return state
+
+
+def state_template(spec: RunSpec, stage: int) -> dict[str, torch.Tensor]:
+    """What :func:`state_tensors` gives for ``stage`` of ``spec`` (as :class:`~swarm.stage.Stage` sets
+    its optimizer up), as meta tensors: every name, dtype and shape, and no memory.
+
+    Raises:
+        ValueError: ``stage`` is not one of the spec's stages.
+    """
+    with torch.device("meta"):  # its seeded initialisation runs on meta tensors too: nothing is allocated
+        model = StageModel(spec, stage)
+        template = {f"model.{k}": v for k, v in model.state_dict().items()}
+        for name, param in model.named_parameters():
+            template[f"optim.{name}.exp_avg"] = torch.empty_like(param)
+            template[f"optim.{name}.exp_avg_sq"] = torch.empty_like(param)
+            template[f"optim.{name}.step"] = torch.empty(())  # as Stage._init_optimizer_state's torch.tensor(0.0)
+        template[STEP_COUNTER_KEY] = torch.empty((), dtype=torch.int64)
+        template["stage.layers"] = torch.empty(3, dtype=torch.int64)
+    return template
+
+
+def served_state_template(spec: RunSpec, stage: int) -> dict[str, torch.Tensor]:
+    """:func:`state_template` less the step counter: the layout a holder (or a backup's keeper) serves."""
+    template = state_template(spec, stage)
+    del template[STEP_COUNTER_KEY]
+    return template
 
 
 def load_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor], *,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +52,35 @@ def test_a_checkpoint_of_something_else_is_refused_with_what_to_do(tmp_path, wha
     with pytest.raises(CheckpointError, match="--checkpoint-dir"):
         load_checkpoint(path, spec=other, stage=1 if what == "stage" else 0)
     stage.shutdown()
+
+
+@pytest.mark.parametrize("what, reason", [
+    ("wrong shape", "'model.blocks.0.fc.weight' is float32[513, 128] in it, float32[512, 128]"),
+    ("wrong dtype", "'optim.blocks.0.fc.weight.step' is float64[] in it, float32[]"),
+    ("extra tensor", "it has tensor 'model.extra'"),
+    ("missing tensor", "it lacks tensor 'counters.num_steps'"),
+])
+def test_a_checkpoint_whose_tensors_are_not_the_spec_layout_is_refused_before_they_are_read(
+        tmp_path, monkeypatch, what, reason):
+    stage = trained_stage(0)
+    state = stage.state_tensors()
+    stage.shutdown()
+    if what == "wrong shape":
+        state["model.blocks.0.fc.weight"] = torch.zeros(513, 128)
+    elif what == "wrong dtype":
+        state["optim.blocks.0.fc.weight.step"] = torch.tensor(1.0, dtype=torch.float64)
+    elif what == "extra tensor":
+        state["model.extra"] = torch.zeros(1 << 20)
+    else:
+        del state["counters.num_steps"]
+    path = checkpoint_path(tmp_path, SPEC.run_id, 0)
+    save_checkpoint(path, state, spec=SPEC, stage=0, version=3)  # its header names this run, stage and model
+    read: list[Path] = []
+    monkeypatch.setattr("peer.checkpoint.load_file", lambda p: read.append(p) or {})
+    with pytest.raises(CheckpointError, match="not the state the run spec implies for stage 0") as refused:
+        load_checkpoint(path, spec=SPEC, stage=0)
+    assert reason in str(refused.value) and "--checkpoint-dir" in str(refused.value)
+    assert read == [], "the tensors were read before the table was checked"
 
 
 def test_the_learning_rate_may_change_between_stop_and_resume(tmp_path):

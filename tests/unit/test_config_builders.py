@@ -8,7 +8,8 @@ import pytest
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.join import dht_node_config
-from replication.config import TransferConfig, piece_bytes_of
+from replication.config import MANIFEST_SLACK_BYTES, MANIFEST_SLACK_FACTOR, TransferConfig, piece_bytes_of
+from replication.manifest import ManifestLimits
 
 BOOT = ("/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWFhaiMviy3ziS2qv7CchDD159ETRVeu1DJYGVVuJB8t7n",)
 
@@ -39,7 +40,9 @@ def test_an_address_that_is_not_a_multiaddr_is_one_sentence_for_the_user(is_visi
 def test_the_piece_size_is_a_sixty_fourth_of_the_state_within_bounds(state_bytes, piece_bytes):
     assert piece_bytes_of(state_bytes) == piece_bytes
     config = TransferConfig.for_state(state_bytes, request_timeout=7.0, min_agreeing_donors=1)
-    assert config == TransferConfig(piece_bytes=piece_bytes, request_timeout=7.0, min_agreeing_donors=1)
+    cap = ManifestLimits(max_total_bytes=MANIFEST_SLACK_FACTOR * state_bytes + MANIFEST_SLACK_BYTES)
+    assert config == TransferConfig(piece_bytes=piece_bytes, request_timeout=7.0, min_agreeing_donors=1,
+                                    manifest_limits=cap)
 
 
 def test_for_state_validates_as_the_constructor_does():
