@@ -69,6 +69,7 @@ class PeerConfig:
     ban_seconds: float = field(default=120.0, metadata=_help("how long a ban lasts, seconds"))
     spot_check_fraction: float = field(default=0.01, metadata=_help("fraction of the microbatches this peer sends to the next stage that another replica there recomputes (forward only, nothing counted twice) and compares; a mismatch is a strike against the replicas (0: no spot checks)"))
     spot_check_tolerance: float = field(default=0.0, metadata=_help("relative distance allowed between two replicas' outputs computed on different weights (0: compare only outputs computed on the same weights; see docs/spot-checks.md before raising it)"))
+    max_forwards_per_peer: float = field(default=200.0, metadata=_help("forward requests per second one peer of the previous stage may send this peer (0: no limit); requests from peers not in the previous stage are refused whatever this is"))
     max_upload_mbps: float = field(default=0.0, metadata=_help("cap on what this peer uploads (activations, gradients, state shards), Mbit/s (0: no cap); hivemind's DHT and averaging traffic is not counted"))
     checkpoint_dir: str | None = field(default=None, metadata=_help("write this peer's stage to <dir>/<run>-stage<k>.safetensors every --checkpoint-period seconds and on leave; the first peer of a stage with no live holder and no backup in the swarm resumes from it"))
     checkpoint_period: float = field(default=300.0, metadata=_help("seconds between checkpoints when --checkpoint-dir is given"))
@@ -106,7 +107,7 @@ class PeerConfig:
         if self.heartbeat_ttl <= 2 * self.heartbeat_period:
             raise ValueError("--heartbeat-ttl must exceed two heartbeat periods, or live peers would flicker")
         for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain", "max_upload_mbps",
-                     "backup_period", "replan_after"):
+                     "max_forwards_per_peer", "backup_period", "replan_after"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.ban_strikes < 0 or not (math.isfinite(self.ban_seconds) and self.ban_seconds > 0):

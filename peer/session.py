@@ -55,6 +55,7 @@ from swarm.model import stage_flops_per_sample
 from swarm.router import Router
 from swarm.spot_check import SpotChecker
 from swarm.stage import Stage
+from swarm.admission import Admission
 from swarm.stage_server import StageServer
 from swarm.task_pool import MicrobatchLedger
 from swarm.trainer import Trainer
@@ -186,7 +187,9 @@ class StageSession:
         self.server = StageServer(ctx.p2p, stage, peer_id=ctx.peer_id, router=self.router,
                                   request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                                   on_microbatch=self._on_microbatch, on_event=self._on_stage_event,
-                                  ledger=MicrobatchLedger() if replay else None, reputation=ctx.reputation)
+                                  ledger=MicrobatchLedger() if replay else None, reputation=ctx.reputation,
+                                  admission=Admission(ctx.view, stage.index, max_per_second=config.max_forwards_per_peer,
+                                                      reputation=ctx.reputation, clock=ctx.clock))
         await self.server.start()
         if spec.replica_sync == "gradients":
             self.gradient_sync = GradientSync(ctx.p2p, ctx.view, stage, peer_id=ctx.peer_id,

@@ -52,6 +52,7 @@ from dht.rpc import (
 )
 from planner.claims import cap_to_median
 from swarm.spot_check import SpotChecker
+from swarm.admission import NOT_MEMBER, RATE_LIMITED
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ MAX_TRACKED = 1024  # peers whose own call durations are kept
 LATENCY_EMA = 0.3  # weight of the newest call in a peer's smoothed call duration
 LATENCY_TOLERANCE = 2.0  # a peer up to this many times slower than the fastest candidate keeps its full weight
 MIN_LATENCY_FACTOR = 0.02  # the least share a slow candidate's weight is cut to (it is still measured)
+TURNED_AWAY_COOLDOWN = 1.0  # seconds a peer that refused this one admission (swarm.admission) is routed around
 SLOW_PEER_RATIO = 8.0  # a candidate this many times slower than the fastest gets one call at a time
 
 
@@ -324,7 +326,11 @@ class Router:
                 self.num_failures += 1
                 if isinstance(e.__cause__, TimeoutError):
                     self._record_timeout(target, deadline)
-                if getattr(e, "code", "") != "unrouted":  # it answered: only the stage after it failed
+                code = getattr(e, "code", "")
+                if code in (NOT_MEMBER, RATE_LIMITED):  # turned away (its view lacks this peer yet, or this
+                    # peer sent too much): no misdeed of its, and it takes work again in a moment
+                    self.failed_until[target] = self.clock() + TURNED_AWAY_COOLDOWN
+                elif code != "unrouted":  # it answered: only the stage after it failed
                     self.failed_until[target] = self.clock() + self.failure_cooldown
                     if self.reputation is not None:
                         self.reputation.strike(target, f"a forward call failed after {self.clock() - started:.1f}s "

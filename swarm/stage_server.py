@@ -36,8 +36,9 @@ import torch
 from hivemind.p2p import P2P
 
 from dht.reputation import Reputation
-from dht.rpc import Declined, forward_handler, serve_request
+from dht.rpc import REFUSAL_LOG, REQUEST_OUTCOMES, Declined, forward_handler, send_reply, serve_request
 from dht.wire import ProtocolError, require_tensor
+from swarm.admission import NOT_MEMBER, Admission
 from swarm.router import Router
 from swarm.stage import Stage
 from swarm.task_pool import MicrobatchLedger
@@ -62,6 +63,7 @@ class StageServer:
         on_event: Callable[..., None] = lambda event, **fields: None,
         ledger: MicrobatchLedger | None = None,
         reputation: Reputation | None = None,
+        admission: Admission | None = None,
     ) -> None:
         if (router is None) != stage.is_last:
             raise ValueError("every stage but the last needs a router to the next stage")
@@ -70,6 +72,7 @@ class StageServer:
         self.on_microbatch, self.on_event = on_microbatch, on_event
         self.ledger = ledger  # None: the restart baseline, every delivery is computed and counted
         self.reputation = reputation
+        self.admission = admission  # None: anybody not banned may push work (tests of the handler alone)
         self.num_refused = 0
         self.num_checks_served = 0  # spot-check recomputes answered (swarm/spot_check.py)
         self._local_ids = itertools.count()
@@ -106,7 +109,20 @@ class StageServer:
             self.num_refused += 1
             writer.close()  # a banned peer gets nothing, not even a reason
             return
+        if self.admission is not None and (code := await self.admission.check(sender)):
+            await self._turn_away(sender, code, reader, writer)
+            return
         await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes, sender=sender)
+
+    async def _turn_away(self, sender: str, code: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Refuse a request from a peer not admitted (``swarm.admission``) before reading it: a reason,
+        a count (``murmuration_rpc_requests_total{outcome=code}``) and a bounded log line."""
+        self.num_refused += 1
+        REQUEST_OUTCOMES["forward", code] += 1
+        reason = (f"{sender} is not a peer of stage {self.stage.index - 1} in this peer's view" if code == NOT_MEMBER
+                  else f"{sender} sends more than its share of forward requests")
+        REFUSAL_LOG.refused("forward", reason)
+        await send_reply(reader, writer, {"ok": False, "error": reason, "code": code}, timeout=self.request_timeout)
 
     async def _serve(self, reader, writer, process, *, max_payload_bytes: int, sender: str) -> None:
         def count(outcome: str) -> None:

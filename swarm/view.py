@@ -67,6 +67,9 @@ class SwarmView:
         self._last_seen: dict[str, float] = {}  # peer id -> the clock reading of the last read that showed it
         self.num_carried = 0  # records kept over reads that may have missed them, all reads
         self._task: asyncio.Task | None = None
+        self._pending_read: asyncio.Future | None = None  # a read that callers of ``fresh`` share
+        self._by_stage: dict[int, frozenset[str]] = {}  # stage -> peer ids, of ``_indexed``
+        self._indexed: list[PeerRecord] | None = None  # the ``records`` list ``_by_stage`` was built from
 
     async def refresh(self) -> list[PeerRecord]:
         started = self.clock()
@@ -120,6 +123,30 @@ class SwarmView:
         """Whether ``record``'s peer trains under this view's layout."""
         return record.layout_version == self.layout_version and (
             self.layout_version == 0 or record.stage_layers == self.stage_layers)
+
+    def peers_at(self, stage: int) -> frozenset[str]:
+        """The peers whose records place them at ``stage`` of this view's layout, in any state: a set
+        rebuilt once per read, for checks on every request (``swarm.stage_server``'s members-only
+        pipeline)."""
+        if self._indexed is not self.records:
+            by_stage: dict[int, set[str]] = {}
+            for record in self.records:
+                by_stage.setdefault(record.stage, set()).add(record.peer_id)
+            self._by_stage = {k: frozenset(v) for k, v in by_stage.items()}
+            self._indexed = self.records
+        return self._by_stage.get(stage, frozenset())
+
+    async def fresh(self, max_age: float) -> None:
+        """Read the DHT now unless the view is at most ``max_age`` seconds old; concurrent callers
+        share one read, and a failed read leaves the view as it was."""
+        if self.clock() - self.updated_at <= max_age:
+            return
+        if self._pending_read is None or self._pending_read.done():
+            self._pending_read = asyncio.ensure_future(self.refresh())
+        try:
+            await asyncio.shield(self._pending_read)
+        except Exception as e:
+            logger.debug(f"an extra read of the swarm view failed: {e!r}")
 
     def members(self, stage: int, *, states: tuple[str, ...] = ("training",)) -> list[PeerRecord]:
         return [r for r in self.records if r.stage == stage and r.state in states and not self._has_departed(r)]

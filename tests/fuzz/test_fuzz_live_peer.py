@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import json
 import math
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgpack
 import pytest
@@ -32,8 +33,8 @@ from hivemind.p2p import P2P, PeerID
 from prometheus_client.parser import text_string_to_metric_families
 
 from dht.node import DHTNodeConfig, open_dht
-from dht.records import RunSpec, peers_key, spec_key
-from dht.registry import fetch_peers
+from dht.records import PeerRecord, RunSpec, peers_key, spec_key
+from dht.registry import declare_peer, dht_time, fetch_peers
 from dht.rpc import call_peer, forward_handler
 from peer.harness.local_swarm import LocalSwarm, wait_for
 from peer.status.protocol import STATUS_PROTOCOL
@@ -90,8 +91,9 @@ def swarm(tmp_path_factory) -> Iterator[Swarm]:
         for stage, port in enumerate(ports):
             # bans off: this measures each handler's own validation (a ban would close the fuzzer's
             # streams unanswered after 8 strikes; bans are tested in tests/integration/test_task_pool.py)
+            # and no rate limit: the barrage is as fast as it goes (the limit is tested in tests/e2e/test_members_only.py)
             local.start_peer("--num-threads", "1", "--stage", str(stage), "--status-port", str(port), "--quiet",
-                             "--ban-strikes", "0")
+                             "--ban-strikes", "0", "--max-forwards-per-peer", "0")
         wait_for(lambda: len(local.peers[1].events("microbatch")) >= 3 or not all(p.is_alive() for p in local.peers),
                  150, "the swarm to train")
         assert all(p.is_alive() for p in local.peers), local.logs()
@@ -197,11 +199,41 @@ def test_every_handler_refuses_10k_hostile_messages_and_training_goes_on(swarm, 
     target_port, peer = swarm.ports[1], swarm.local.peers[1]
     target_id = swarm.status(1)["peer_id"]
     spec = RunSpec(run_id=RUN_ID)
-    dht, _ = open_dht(DHTNodeConfig(initial_peers=tuple(swarm.local.maddrs)))
+    dht, validator = open_dht(DHTNodeConfig(initial_peers=tuple(swarm.local.maddrs)))
     try:
-        records = asyncio.run(fetch_peers(dht, RUN_ID))
+        fuzz_as_member(swarm, dht, validator, target_port, target_id, spec, peer)
     finally:
         dht.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def stage0_member(dht, validator) -> AsyncIterator[P2P]:
+    """This test's node as a stage-0 peer ("syncing", heartbeats while inside): the stage-1 peer serves
+    forwards only to stage 0's peers (swarm/admission.py), and in an open swarm anybody may claim
+    stage 0 under its own identity, so what stands behind that gate is what the barrage measures."""
+    record = PeerRecord(peer_id=dht.peer_id.to_base58(), role="reliable", state="syncing", stage=0, flops=1e9,
+                        announced_at=dht_time())
+
+    async def heartbeats() -> None:
+        while True:
+            await declare_peer(dht, validator, RUN_ID, record, ttl=6.0)
+            await asyncio.sleep(1.0)
+
+    task = asyncio.create_task(heartbeats())
+    try:
+        for _ in range(100):  # the peers find the record with the DHT reads this one makes
+            if record.peer_id in {r.peer_id for r in await fetch_peers(dht, RUN_ID)}:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("this test's stage-0 record never showed in the DHT")
+        yield await dht.replicate_p2p()
+    finally:
+        task.cancel()
+
+
+def fuzz_as_member(swarm, dht, validator, target_port: int, target_id: str, spec: RunSpec, peer) -> None:
+    records = asyncio.run(fetch_peers(dht, RUN_ID))
     record = next(r for r in records if r.peer_id == target_id)
     target = Target(spec=spec, stage=1, peer_ids=tuple(r.peer_id for r in records))
     counts_before = request_counts(target_port)
@@ -209,8 +241,7 @@ def test_every_handler_refuses_10k_hostile_messages_and_training_goes_on(swarm, 
     microbatches_before = len(swarm.losses())
 
     async def barrage() -> dict:
-        p2p = await P2P.create(initial_peers=list(record.maddrs))
-        try:
+        async with stage0_member(dht, validator) as p2p:
             peer_id = PeerID.from_base58(target_id)
             names = handlers(RUN_ID)
             results = await asyncio.gather(
@@ -218,8 +249,6 @@ def test_every_handler_refuses_10k_hostile_messages_and_training_goes_on(swarm, 
                   for kind in names),
                 flood_http(target_port, MESSAGES_PER_HANDLER))
             return dict(zip([*names, "http"], results))
-        finally:
-            await p2p.shutdown()
 
     started = time.monotonic()
     results = asyncio.run(barrage())
@@ -264,11 +293,8 @@ def test_every_handler_refuses_10k_hostile_messages_and_training_goes_on(swarm, 
 
     # well-formed requests still succeed, and training goes on with a finite loss
     async def well_formed() -> dict:
-        p2p = await P2P.create(initial_peers=list(record.maddrs))
-        try:
+        async with stage0_member(dht, validator) as p2p:
             return await call_all_handlers(p2p, target, target_id)
-        finally:
-            await p2p.shutdown()
 
     answers = asyncio.run(well_formed())
     assert answers["status"]["status"]["peer_id"] == target_id
@@ -278,6 +304,8 @@ def test_every_handler_refuses_10k_hostile_messages_and_training_goes_on(swarm, 
     wait_for(lambda: len(swarm.losses()) >= microbatches_before + 20, 60, "20 more microbatches after the barrage")
     assert all(math.isfinite(loss) for loss in swarm.losses())
     assert all(p.is_alive() for p in swarm.local.peers)
+    # the stage-0 record this test declared expires (the next test counts the swarm's peers)
+    wait_for(lambda: len(asyncio.run(fetch_peers(dht, RUN_ID))) == 2, 30, "this test's record to expire")
 
 
 async def call_all_handlers(p2p: P2P, target: Target, target_id: str) -> dict[str, dict]:
