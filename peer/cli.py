@@ -17,7 +17,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from peer.config_sources import ENV_PREFIX, init_fields, read_config_file, read_env
+from peer.config import BootstrapConfig, PeerConfig
+from peer.config_sources import ENV_PREFIX, env_name, init_fields, read_config_file, read_env
 
 T = TypeVar("T")
 _SCALARS = {"str": str, "int": int, "float": float, "str | None": str}
@@ -59,7 +60,9 @@ def load_config(
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(read_config_file(cls, args.config))
-    values.update(read_env(cls, os.environ if env is None else env))
+    # the other script's variables are not mistakes (the two scripts share the environment)
+    known = [env_name(f.name) for other in (PeerConfig, BootstrapConfig) for f in init_fields(other)]
+    values.update(read_env(cls, os.environ if env is None else env, known=known))
     for name in names:
         value = getattr(args, name, _UNSET)
         if value is not _UNSET and value is not None:

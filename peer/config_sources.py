@@ -14,10 +14,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 ENV_PREFIX = "MURMURATION_"
+# MURMURATION_ variables that are not options: fault injection (peer/faults.py), the status client's
+# own (peer/status/client.py), and the test suite's switches (scripts/test.sh, tests/e2e/)
+OTHER_VARIABLES = frozenset({
+    "MURMURATION_INJECT_FAULTS", "MURMURATION_ALLOW_FAULT_INJECTION", "MURMURATION_LIBP2P_PYTHON",
+    "MURMURATION_STATUS_CLIENT_REEXECUTED", "MURMURATION_CPU_HOG", "MURMURATION_TEST_WORKERS",
+    "MURMURATION_DOCS_SCREENSHOT",
+})
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -53,15 +60,25 @@ def read_config_file(cls: type, path: str) -> dict[str, Any]:
     return values
 
 
-def read_env(cls: type, env: Mapping[str, str]) -> dict[str, Any]:
+def read_env(cls: type, env: Mapping[str, str], *, known: Iterable[str] = ()) -> dict[str, Any]:
     """The values ``MURMURATION_<FIELD>`` variables in ``env`` set for ``cls``'s fields.
 
-    Variables of fields that ``cls`` lacks are left alone: the two entry scripts share the prefix
-    (``MURMURATION_BOOTSTRAP`` means something to run_peer.py only).
+    Variables of the ``known`` names (the other entry script's options: the two share the prefix,
+    and ``MURMURATION_BOOTSTRAP`` means something to run_peer.py only) and of ``OTHER_VARIABLES``
+    are left alone; any other ``MURMURATION_`` variable is a mistake (a typo would otherwise be
+    silently ignored).
 
     Raises:
-        ValueError: a value that does not parse as the field's type.
+        ValueError: an unknown ``MURMURATION_`` variable, or a value that does not parse as the field's type.
     """
+    names = {env_name(f.name): f.name for f in init_fields(cls)}
+    recognised = set(names) | set(known) | OTHER_VARIABLES
+    for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and name not in recognised:
+            close = difflib.get_close_matches(name, sorted(recognised), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"environment variable {name} is not an option of this script{hint}; "
+                             f"unset it or correct its name")
     values = {}
     for field in init_fields(cls):
         name = env_name(field.name)

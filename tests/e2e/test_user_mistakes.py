@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -69,3 +70,20 @@ def test_run_on_own_files_without_data(local_swarm, tmp_path):
     other.write_text("something else entirely. " * 400)
     result, _ = run_peer("--bootstrap", *local_swarm.maddrs, "--join-timeout", "20", "--data", str(other))
     assert result.returncode == 2 and "are not the run's dataset" in result.stderr
+
+
+def test_a_misspelt_murmuration_variable():
+    env = {**os.environ, "MURMURATION_MAX_INFLIGHT": "8"}
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "run_peer.py"), "--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{SOME_PEER_ID}"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, env=env)
+    assert result.returncode == 2
+    assert "MURMURATION_MAX_INFLIGHT is not an option of this script (did you mean MURMURATION_MAX_IN_FLIGHT?)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_owner_key_pinned_is_not_the_runs(local_swarm):
+    local_swarm.start_bootstrap()
+    result, _ = run_peer("--bootstrap", *local_swarm.maddrs, "--run-owner", "0" * 32, "--join-timeout", "10")
+    assert result.returncode == 2
+    assert f"is not published by the owner key {'0' * 32} you pinned" in result.stderr
+    assert "check --run-owner against the bootstrap's join line" in result.stderr and "Traceback" not in result.stderr

@@ -158,8 +158,9 @@ def test_env_mistakes_are_one_sentence(name, text, message):
 def test_env_reads_only_its_own_fields():
     env = {"MURMURATION_BOOTSTRAP": BOOT, "MURMURATION_NUM_LAYERS": "6", "MURMURATION_CLIENT_MODE": "yes",
            "MURMURATION_IDENTITY_PATH": "", "OTHER": "1"}
-    assert read_env(PeerConfig, env) == {"bootstrap": (BOOT,), "client_mode": True, "identity_path": None}
-    assert read_env(BootstrapConfig, env) == {"num_layers": 6, "identity_path": None}
+    both = {env_name(f.name) for cls in (PeerConfig, BootstrapConfig) for f in dataclasses.fields(cls)}
+    assert read_env(PeerConfig, env, known=both) == {"bootstrap": (BOOT,), "client_mode": True, "identity_path": None}
+    assert read_env(BootstrapConfig, env, known=both) == {"num_layers": 6, "identity_path": None}
 
 
 def test_values_from_file_are_validated_by_the_dataclass(tmp_path):
@@ -194,3 +195,17 @@ def test_example_files_load(tmp_path):
     assert peer.bootstrap and peer.max_memory_mb > 0
     bootstrap = load(BootstrapConfig, ["--config", str(ROOT / "examples" / "bootstrap.toml")])
     assert bootstrap.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)
+
+
+@pytest.mark.parametrize("cls", [PeerConfig, BootstrapConfig])
+def test_an_unknown_murmuration_variable_is_a_mistake_named_with_a_suggestion(cls):
+    with pytest.raises(ValueError, match="MURMURATION_MAX_INFLIGHT is not an option of this script "
+                                         r"\(did you mean MURMURATION_MAX_IN_FLIGHT\?\)"):
+        load(cls, [], {"MURMURATION_MAX_INFLIGHT": "8"})
+
+
+@pytest.mark.parametrize("cls", [PeerConfig, BootstrapConfig])
+def test_the_other_scripts_options_and_the_tools_variables_are_not_mistakes(cls):
+    env = {"MURMURATION_BOOTSTRAP": BOOT, "MURMURATION_NUM_LAYERS": "4", "MURMURATION_CPU_HOG": "1",
+           "MURMURATION_INJECT_FAULTS": "nan_updates", "NOT_OURS": "x"}
+    assert isinstance(load(cls, [], env), cls)
