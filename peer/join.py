@@ -27,8 +27,10 @@ from peer.errors import UserError
 from planner.stage_choice import Joiner, StageMember, assign_joiners
 from replication.config import TransferConfig
 from replication.layout import StateLayout
+from replication.pull_report import TransferError
 from replication.transfer import PullResult, pull_state
 from swarm.model import stage_flops_per_sample
+from swarm.plausibility import implausible
 from swarm.stage import Stage
 from swarm.stage_state import served_state_template
 from swarm.view import SwarmView
@@ -227,6 +229,11 @@ async def negotiate_stage(
         await asyncio.sleep(CONFIRM_PERIOD)
 
 
+class ImplausibleStateError(TransferError):
+    """The state the donors agreed on cannot come from AdamW training from the run seed
+    (``swarm.plausibility``): refused before loading, its donors banned (no honest state fails it)."""
+
+
 def stage_state_bytes(stage: Stage) -> int:
     """Bytes a joiner downloads for ``stage``: its tensors plus AdamW's two moments per parameter."""
     model = stage.model
@@ -235,8 +242,10 @@ def stage_state_bytes(stage: Stage) -> int:
 
 
 async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *, config: PeerConfig,
-                           min_agreeing_donors: int = 2, reputation: Reputation | None = None) -> PullResult:
-    """Pull the stage's state from all its current holders at once and load it (DESIGN §1 step 5).
+                           min_agreeing_donors: int = 2, reputation: Reputation | None = None,
+                           load: bool = True) -> PullResult:
+    """Pull the stage's state from all its current holders at once and load it (DESIGN §1 step 5;
+    ``load`` false: only pull and check it).
 
     Shards are spread over the holders by seed 003's greedy LPT rule, verified against a manifest
     ``min_agreeing_donors`` of the holders agree on (fewer if fewer answer), and re-planned onto
@@ -246,9 +255,11 @@ async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *,
     spec implies for the stage is accepted (``swarm.stage_state.served_state_template``): a holder that
     offers any other is refused before anything is allocated for it. A holder whose manifest is refused,
     or that serves a piece that does not match its digest, is struck in ``reputation`` (banned holders
-    are not asked).
+    are not asked). A state that cannot come from training from the run seed (``swarm.plausibility``)
+    is not loaded, and its donors are banned (no honest state fails that check).
 
     Raises:
+        ImplausibleStateError: the donors agreed on an implausible state.
         TransferError: no holder could serve the state.
     """
     expected = StateLayout.from_tensors(served_state_template(stage.spec, stage.index))
@@ -258,7 +269,14 @@ async def pull_stage_state(p2p: P2P, stage: Stage, holders: list[PeerRecord], *,
         result = await pull_state(p2p, [r.peer_id for r in holders], run_id=stage.spec.namespace,
                                   stage=stage.index, store_dir=store_dir, config=transfer, reputation=reputation,
                                   expected=expected)
-    await stage.run(stage.load_state_tensors, result.state)
+    if reason := await asyncio.to_thread(implausible, result.state, stage.spec, stage.index):
+        for donor in result.report.donors:  # each served the pieces of the manifest they agreed on
+            if reputation is not None:
+                reputation.strike(donor, f"served an implausible state: {reason}", weight=reputation.max_strikes)
+        raise ImplausibleStateError(f"the state {', '.join(d[-6:] for d in result.report.donors)} served cannot come "
+                                    f"from training: {reason}", result.report)
+    if load:
+        await stage.run(stage.load_state_tensors, result.state)
     return result
 
 

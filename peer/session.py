@@ -215,7 +215,7 @@ class StageSession:
         ctx.view.vouch = self.detector.vouches_for  # a neighbour that answers keeps its place if its record lapses
         self.averager = StageAverager(stage, ctx.dht, ctx.view, client_mode=ctx.role == "unreliable" or config.client_mode,
                                       aggregation=config.aggregation, on_round=self._on_round, on_outliers=self._on_outliers,
-                                      on_discard=self._on_discard)
+                                      on_discard=self._on_discard, reputation=ctx.reputation)
         if stage.is_first:
             self.trainer = self._new_trainer(replay)
         ctx.view.start()

@@ -9,6 +9,8 @@
 
 A source that has nothing returns False and the next one is asked; a source that has the state but
 fails to deliver it raises (a joiner must not silently start from the seed while holders train).
+Holders whose state cannot come from training from the run seed (``swarm.plausibility``) are
+refused and struck; if every holder is, the joiner says so and starts from the seed.
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ from peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.event_log import EventLog
-from peer.join import pull_stage_state, stage_state_bytes
+from peer.join import ImplausibleStateError, pull_stage_state, stage_state_bytes
 from peer.status.local import SyncProgress
 from replication.pull_report import DisagreementError
 from replication.transfer import PullResult, TransferError
+from swarm.plausibility import state_drift
 from swarm.stage import Stage
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 SOURCES = ("holders", "local-backup", "backup-donor", "checkpoint", "seed")
-DISAGREEMENT_PATIENCE = 60.0  # seconds a joiner retries holders that serve different states
+DISAGREEMENT_PATIENCE = 20.0  # seconds a joiner retries holders that serve different states (then takes one alone)
 DISAGREEMENT_RETRY = 2.0
 
 
@@ -59,6 +62,7 @@ class StateLoader:
         self.keeper, self.metrics, self.reputation, self.traffic = keeper, metrics, reputation, traffic
         self.clock = clock
         self.progress: SyncProgress | None = None  # the last (or current) download's
+        self.refused: set[str] = set()  # holders whose state was implausible (swarm/plausibility.py)
 
     async def load(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord] = ()) -> str:
         """Load ``stage``'s state; returns the source it came from (one of ``SOURCES``). ``seen``:
@@ -69,7 +73,12 @@ class StateLoader:
         for source, name in sources:
             if await source(stage, spec, seen):
                 return name
-        logger.info(f"first peer of stage {stage.index}: initialised from the run seed {spec.seed}")
+        if self.refused:
+            logger.warning(f"stage {stage.index}: its holders ({', '.join(sorted(p[-6:] for p in self.refused))}) "
+                           f"served only states no training from the run seed makes; initialised from the run "
+                           f"seed {spec.seed}, and this peer's averaging rounds will not take their states either")
+        else:
+            logger.info(f"first peer of stage {stage.index}: initialised from the run seed {spec.seed}")
         return "seed"
 
     async def _from_holders(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord]) -> bool:
@@ -83,24 +92,68 @@ class StateLoader:
         if not holders:
             return False
         self.progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
-        deadline = self.clock() + DISAGREEMENT_PATIENCE
+        # honest holders agree again after the next averaging round
+        deadline = self.clock() + min(DISAGREEMENT_PATIENCE, 2 * spec.averaging_period + 2)
         while True:
             try:
                 result = await pull_stage_state(self.p2p, stage, holders, config=self.config,
                                                 reputation=self.reputation)
                 break
+            except ImplausibleStateError as e:
+                holders = self._refuse(stage, holders, e)
             except DisagreementError:
                 # holders that serve different versions (one just alone, one between averaging rounds)
-                # agree again within a round: wait for it rather than trust a single donor or give up
+                # agree again within a round: wait for it; then take the first holder whose state alone
+                # is plausible (a Byzantine holder beside one honest one disagrees for good)
                 if self.clock() > deadline:
-                    raise
+                    result = await self._from_one_holder(stage, holders)
+                    break
                 logger.info(f"the holders of stage {stage.index} disagree on its state; asking again shortly")
                 await asyncio.sleep(DISAGREEMENT_RETRY)
                 await self.view.refresh()
-                holders = [r for r in self.view.members(stage.index) if r.peer_id != self.peer_id] or holders
+                holders = [r for r in self.view.members(stage.index)
+                           if r.peer_id != self.peer_id and r.peer_id not in self.refused] or holders
+            if not holders:
+                return False  # every holder served a state no training makes: the next source, else the seed
         self.progress.finish()
         await self._downloaded(stage, result)
         return True
+
+    async def _from_one_holder(self, stage: Stage, holders: list[PeerRecord]) -> PullResult:
+        """Of the states ``holders`` serve each on its own, the one that moved least per step from the
+        run seed (``swarm.plausibility.state_drift``), loaded: holders that still disagree after the
+        patience may include one pushing its state, and of two copies that is the honest pick.
+
+        Raises:
+            TransferError: none served a plausible state.
+        """
+        errors, candidates = [], []
+        for holder in sorted(holders, key=lambda r: r.peer_id):
+            try:
+                result = await pull_stage_state(self.p2p, stage, [holder], config=self.config,
+                                                min_agreeing_donors=1, reputation=self.reputation, load=False)
+                candidates.append((await asyncio.to_thread(state_drift, result.state, stage.spec, stage.index),
+                                   holder.peer_id, result))
+            except ImplausibleStateError as e:
+                self._refuse(stage, [holder], e)
+                errors.append(str(e))
+            except TransferError as e:
+                errors.append(f"{holder.peer_id[-6:]}: {e}")
+        if not candidates:
+            raise TransferError(f"no holder of stage {stage.index} served a usable state alone: {'; '.join(errors)}")
+        drift, chosen, result = min(candidates)
+        logger.warning(f"the holders of stage {stage.index} kept disagreeing: took {chosen[-6:]}'s state alone, the "
+                       f"one that moved least from the run seed per step ({drift:.2f} of the AdamW bound; "
+                       f"{len(candidates)} compared)")
+        await stage.run(stage.load_state_tensors, result.state)
+        return result
+
+    def _refuse(self, stage: Stage, holders: list[PeerRecord], error: ImplausibleStateError) -> list[PeerRecord]:
+        """Note the donors of an implausible state; the holders left to ask."""
+        self.refused.update(error.report.donors)
+        logger.warning(f"refused the state of stage {stage.index}: {error}")
+        self.metrics.write("state_refused", stage=stage.index, donors=error.report.donors, reason=str(error))
+        return [r for r in holders if r.peer_id not in self.refused]
 
     async def _from_local_backup(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord]) -> bool:
         started = self.clock()

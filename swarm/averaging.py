@@ -33,6 +33,8 @@ import hivemind
 import torch
 
 from dht.registry import dht_time
+from dht.reputation import Reputation
+from swarm.plausibility import drift, initial_parameters
 from swarm.robust import MIN_ROBUST_ROWS
 from swarm.robust_allreduce import Report, RobustAverager
 from swarm.stage import Stage
@@ -97,16 +99,20 @@ class StageAverager:
         on_round: Callable[[float, int, str], None] = lambda at, size, digest: None,
         on_outliers: Callable[[Report], None] = lambda report: None,
         on_discard: Callable[[float, int, int], None] = lambda at, size, members: None,
+        reputation: Reputation | None = None,
     ) -> None:
         self.stage, self.dht, self.view = stage, dht, view
         self.period = stage.spec.averaging_period
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
         self.aggregation = aggregation
         self.on_round, self.on_outliers, self.on_discard = on_round, on_outliers, on_discard
+        self.reputation = reputation  # a pair with a banned partner is dropped; a pair's implausible result bans it
         self.num_rounds = self.num_failed_rounds = self.num_discarded_rounds = 0
         self.peer_id = dht.peer_id.to_base58()
         self.last_seen: dict[str, float] = {}  # peer id -> the last round (time) it was in a group with this peer
         self.num_refused_parts = self.num_outvoted_parts = 0  # parts this peer reduced, all rounds
+        self._initial: dict[str, torch.Tensor] | None = None  # the run seed's parameters (the plausibility check)
+        self._warned_pair = False  # said once that a round of two cannot out-vote
         # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
         # parameters that sum is exact in float64, and every replica rounds the same float64 average.
@@ -199,7 +205,28 @@ class StageAverager:
                             f"{num_members} replicas ({self.aggregation} cannot out-vote within a pair)")
                 self.on_discard(at, len(group), num_members)
                 return False
+            partner = next((m for m in members if m != self.peer_id), "") if len(group) == 2 else ""
+            if partner and self.reputation is not None and self.reputation.is_banned(partner):
+                self.num_discarded_rounds += 1
+                logger.warning(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, a pair "
+                               f"with {partner[-6:]}, which is banned here")
+                self.on_discard(at, len(group), num_members)
+                return False
+            if reason := await self.stage.run(self._implausible_result):
+                if partner and self.reputation is not None:  # in a pair, the push can only be the partner's
+                    self.reputation.strike(partner, f"its averaging round gave an implausible state: {reason}",
+                                           weight=self.reputation.max_strikes)
+                self.num_discarded_rounds += 1
+                logger.warning(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, "
+                               f"which no honest replica could have sent ({reason}; swarm/plausibility.py)")
+                self.on_discard(at, len(group), num_members)
+                return False
             digest = await self.stage.run(self._copy_out, at)
+        if len(group) == 2 and self.aggregation != "mean" and not self._warned_pair:
+            self._warned_pair = True
+            logger.warning(f"stage {self.stage.index} averages in a pair: two replicas cannot out-vote each other, so "
+                           f"a Byzantine partner keeps half the say unless its push is crude enough for the "
+                           f"plausibility check (docs/security.md); a third replica makes rounds robust")
         self.num_rounds += 1
         logger.info(f"averaged stage {self.stage.index} with {len(group)} replicas (round at {at:.0f}, params {digest})")
         self.on_round(at, len(group), digest)
@@ -212,6 +239,22 @@ class StageAverager:
         with self.averager.get_tensors() as tensors, torch.no_grad():
             for tensor, live in zip(tensors, self.stage.averaged_tensors(), strict=True):
                 tensor.copy_(live.detach().cpu())
+
+    def _implausible_result(self) -> str:
+        """Why the round's result cannot be an average of honest replicas' states (compute thread), or
+        "": its parameters stand farther from the run seed's initialisation than this replica's AdamW
+        steps allow. A round of two gives each member half the say, so this is what keeps an honest
+        replica from taking half of a Byzantine one's pushed state when no third can out-vote it."""
+        if self._initial is None:
+            self._initial = initial_parameters(self.stage.spec, self.stage.index)
+        spec, params = self.stage.spec, list(self.stage.model.named_parameters())
+        steps = int(max((float(self.stage.optimizer.state[p].get("step", 0.0)) for _, p in params), default=0.0))
+        with self.averager.get_tensors() as tensors:
+            result = {f"model.{name}": tensor for (name, _), tensor in zip(params, tensors)}
+            fraction, where = drift(result, self._initial, lr=spec.lr, weight_decay=spec.weight_decay, steps=steps)
+        if fraction <= 1.0:
+            return ""
+        return f"{where} would stand {fraction:.0f}x farther from the run seed's initialisation than {steps} steps allow"
 
     def _copy_out(self, at: float) -> str:
         with self.averager.get_tensors() as tensors, torch.no_grad():
