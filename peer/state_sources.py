@@ -31,7 +31,7 @@ from peer.join import ImplausibleStateError, pull_stage_state, stage_state_bytes
 from peer.status.local import SyncProgress
 from replication.pull_report import DisagreementError
 from replication.transfer import PullResult, TransferError
-from swarm.plausibility import state_drift
+from swarm.plausibility import implausible, state_drift
 from swarm.stage import Stage
 from swarm.view import SwarmView
 
@@ -159,6 +159,9 @@ class StateLoader:
         started = self.clock()
         backup = self.keeper.take(stage.index) if self.keeper is not None else None
         if backup is None:
+            return False
+        if reason := await asyncio.to_thread(implausible, backup.state, spec, stage.index):
+            logger.warning(f"the backup of stage {stage.index} this peer kept cannot come from training: {reason}")
             return False
         try:
             await stage.run(stage.load_state_tensors, backup.state)
