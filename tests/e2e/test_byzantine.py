@@ -1,11 +1,12 @@
-"""A Byzantine replica among three: its x100 updates are out-voted and the loss stays within 5% of a clean run's.
+"""A Byzantine replica among three, joining last or first: the honest loss stays within 5% of a clean run's.
 
-Two real swarms of run_peer.py processes, one after the other, with the same run spec and seed: a
-single stage held by three replicas that average every few seconds. In the first, one replica is
+Three real swarms of run_peer.py processes, one after the other, with the same run spec and seed: a
+single stage held by three replicas that average every few seconds. In the first two, one replica is
 Byzantine (``MURMURATION_INJECT_FAULTS=scale_updates=100``, test-only): each of its optimizer steps moves its
-parameters a hundred times too far, and that state is what it brings to every averaging round. The
-second, clean, trains to the same microbatch count. A plain mean would hand every replica a third
-of it (docs/robust-averaging.md has the measurement).
+parameters a hundred times too far, and that state is what it brings to every averaging round and
+serves to joiners. It joins last in the first swarm, first in the second. The third, clean, trains
+to the microbatch count of both. A plain mean would hand every replica a third of it
+(docs/robust-averaging.md has the measurement).
 """
 
 from __future__ import annotations
@@ -110,23 +111,38 @@ def same_digest_after_every_common_round(peers) -> int:
     return len(common)
 
 
-def test_a_byzantine_replica_is_out_voted_and_the_loss_stays_within_5_percent(local_swarm, tmp_path, monkeypatch):
+def test_a_byzantine_replica_joining_last_or_first_cannot_derail_the_honest_ones(local_swarm, tmp_path, monkeypatch):
+    """Three swarms one after another: the Byzantine replica joining last, then joining first, then the
+    clean swarm (two honest replicas start the stage, a third joins later) trained to the microbatch
+    count of both, against which each Byzantine run's honest loss is compared."""
     monkeypatch.setenv(ALLOW_ENV, "1")  # inherited by the peers; only the one given the faults misbehaves
-    try:
-        honest, bad = train(local_swarm, byzantine=True)
-    finally:
-        local_swarm.shutdown(timeout=30)
+    runs = {}
+    for order in ("last", "first"):
+        swarm = local_swarm if order == "last" else LocalSwarm(tmp_path / order)
+        try:
+            runs[order] = train(swarm, byzantine=True, order=order)
+        finally:
+            swarm.shutdown(timeout=30)
     # compared at the same number of microbatches (the same training progress), not the same time
-    end = min(len(losses(p)) for p in honest)
+    ends = {order: min(len(losses(p)) for p in honest) for order, (honest, _) in runs.items()}
     clean_swarm = LocalSwarm(tmp_path / "clean")
     try:
-        clean_peers, _ = train(clean_swarm, byzantine=False, min_microbatches=end)
+        # (an honest replica in the Byzantine one's place first would hand the others a head start,
+        # which the honest replicas of the "first" run refuse with its state: the comparison would
+        # measure that, not the attack)
+        clean_peers, _ = train(clean_swarm, byzantine=False, min_microbatches=max(ends.values()), order="last")
     finally:
         clean_swarm.shutdown(timeout=20)
         print(clean_swarm.logs())  # shown by pytest only when the test failed
+    check_out_voted_when_last(*runs["last"], clean_peers, ends["last"])
+    check_refused_when_first(*runs["first"], clean_peers, ends["first"])
+
+
+def check_out_voted_when_last(honest: list, bad, clean_peers: list, end: int) -> None:
+    """Joining last, it downloads the honest state and is out-voted round after round."""
     clean_loss, byzantine_loss = window_loss(clean_peers, end), window_loss(honest, end)
     bad_id = bad.events("joined")[0]["peer_id"]
-    summary = (f"at microbatch {end}: clean {clean_loss:.4f}, with a Byzantine replica {byzantine_loss:.4f} "
+    summary = (f"last: at microbatch {end}: clean {clean_loss:.4f}, with a Byzantine replica {byzantine_loss:.4f} "
                f"({rounds_before(honest[0], end)} rounds with it), Byzantine replica's own "
                f"{statistics.mean(losses(bad)[-WINDOW:]):.4f}; group sizes of the honest rounds "
                f"{[[e['group_size'] for e in p.events('averaged')] for p in honest]}, pairs dropped "
@@ -154,34 +170,20 @@ def test_a_byzantine_replica_is_out_voted_and_the_loss_stays_within_5_percent(lo
     assert [p.process.returncode for p in [*honest, bad]] == [0, 0, 0]
 
 
-def test_a_byzantine_replica_that_joins_first_is_refused_and_cannot_derail_the_honest_ones(local_swarm, tmp_path, monkeypatch):
+def check_refused_when_first(honest: list, bad, clean_peers: list, end: int) -> None:
     """The order robust averaging alone cannot cover: joining first, the Byzantine replica is the lone
     holder every honest joiner would download, and it averages in a pair with the first honest one,
     where no method can out-vote it. The honest peers refuse its state (swarm/plausibility.py: no
     AdamW training moves weights that far), the first of them starting from the run seed instead and
     saying so, drop the pair rounds whose result carries its pushes, and their loss stays within 5 %
-    of a clean run's at the same microbatch count.
+    of the clean swarm's at the same microbatch count.
 
     Joining second it is not covered (docs/security.md: a push within the plausibility bound, in a
     pair, keeps half the say); the honest peer says so in its log when it averages in a pair."""
-    monkeypatch.setenv(ALLOW_ENV, "1")
-    try:
-        honest, bad = train(local_swarm, byzantine=True, order="first")
-    finally:
-        local_swarm.shutdown(timeout=30)
-    end = min(len(losses(p)) for p in honest)
-    clean_swarm = LocalSwarm(tmp_path / "clean")
-    try:
-        # the clean swarm: two honest replicas that start the stage, a third joining later. (An honest
-        # replica in the Byzantine one's place first would hand the others its head start, which the
-        # honest replicas of the Byzantine run refuse with its state: the comparison would measure that.)
-        clean_peers, _ = train(clean_swarm, byzantine=False, min_microbatches=end, order="last")
-    finally:
-        clean_swarm.shutdown(timeout=20)
     clean_loss, loss = window_loss(clean_peers, end), window_loss(honest, end)
     logs = [p.log_path.read_text() for p in honest]
     refusals = [e for p in honest for e in p.events("state_refused")]
-    summary = (f"at microbatch {end}: clean {clean_loss:.4f}, with the Byzantine replica first {loss:.4f}; "
+    summary = (f"first: at microbatch {end}: clean {clean_loss:.4f}, with the Byzantine replica first {loss:.4f}; "
                f"states refused {[len(p.events('state_refused')) for p in honest]}, rounds dropped "
                f"{[len(p.events('averaging_dropped')) for p in honest]}")
     print(summary)
