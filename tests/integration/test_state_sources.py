@@ -23,13 +23,17 @@ PARAM = "model.blocks.0.qkv.weight"  # one parameter of stage 1, compared source
 
 
 def trained_state(stage_index: int, *, scale: float) -> dict[str, torch.Tensor]:
-    """A stage state unlike the seed's (every parameter scaled), as ``Stage.state_tensors`` names it."""
+    """A stage state unlike the seed's (every parameter scaled), as ``Stage.state_tensors`` names it,
+    with as many optimizer steps as such a move takes (a state no AdamW training could reach is not
+    loaded: swarm/plausibility.py)."""
     stage = Stage(SPEC, stage_index, device=CPU)
     try:
         state = asyncio.run(stage.run(stage.state_tensors))
     finally:
         stage.shutdown()
-    return {name: t * scale if name.startswith("model.") else t for name, t in state.items()}
+    steps = torch.tensor(0.0 if scale == 1.0 else 1000.0)
+    return {name: t * scale if name.startswith("model.") else steps if name.endswith(".step") else t
+            for name, t in state.items()}
 
 
 def load(dht, tmp_path, *, checkpoint: bool, backup: StageBackup | None) -> tuple[str, dict[str, torch.Tensor]]:
