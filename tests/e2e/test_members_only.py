@@ -40,7 +40,7 @@ from tests.e2e.test_status_page import free_port, get
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 RUN_ID = "demo"
 FLOOD_SECONDS = 12.0
-MEMBER_SECONDS = 4.0
+MEMBER_SECONDS = 30.0  # at most: the member sends until it is rate-limited (slowly, on a busy machine)
 STREAMS = 8
 RATE_LIMIT = 40.0  # --max-forwards-per-peer of the last stage: above the honest stage 0's rate, below a flood's
 
@@ -169,13 +169,22 @@ def test_strangers_are_refused_and_members_are_rate_limited(local_swarm):
             return {**header, "kind": "eval"}, tensors
 
         async def as_member() -> dict[str, int]:
-            assert await declare_peer(member_dht, member_validator, RUN_ID, me, ttl=60.0)
+            for _ in range(20):  # a store can time out on a busy machine: try again
+                if await declare_peer(member_dht, member_validator, RUN_ID, me, ttl=60.0):
+                    break
+                await asyncio.sleep(0.5)
+            else:
+                raise AssertionError("the DHT never took this test's stage-0 record")
             p2p = await member_dht.replicate_p2p()
             for _ in range(100):  # until the peer's view has the record
                 if "not_member" not in await flood(p2p, target, evaluation, seconds=0.0, streams=1):
                     break
                 await asyncio.sleep(0.3)
-            return await flood(p2p, target, evaluation, seconds=MEMBER_SECONDS, streams=STREAMS)
+            started, outcomes = time.monotonic(), {}
+            while "rate_limited" not in outcomes and time.monotonic() - started < MEMBER_SECONDS:
+                for code, count in (await flood(p2p, target, evaluation, seconds=2.0, streams=STREAMS)).items():
+                    outcomes[code] = outcomes.get(code, 0) + count
+            return {**outcomes, "seconds": round(time.monotonic() - started, 1)}
 
         try:
             member = asyncio.run(as_member())
@@ -183,9 +192,10 @@ def test_strangers_are_refused_and_members_are_rate_limited(local_swarm):
             member_dht.shutdown()
         print(json.dumps({"member": member}))
         # beyond its share: rate-limited, and once it kept on for 8 x 50 refusals, banned (closed unanswered)
+        seconds = member.pop("seconds")
         assert set(member) <= {"accepted", "rate_limited", "PeerUnavailableError"} and member.get("rate_limited"), member
         # its share: a burst of 2 x the rate, then the rate (+ one second of slack for the clocks' offset)
-        assert 0 < member["accepted"] <= RATE_LIMIT * (2 + MEMBER_SECONDS + 1), member
+        assert 0 < member["accepted"] <= RATE_LIMIT * (2 + seconds + 1), (member, seconds)
     finally:
         dht.shutdown()
     assert first.is_alive() and last.is_alive()

@@ -32,9 +32,21 @@ def rogue_key_sorting_before(owner: str) -> RSAPrivateKey:
     raise AssertionError("no RSA key in 64 sorts before the owner's")
 
 
+def key_in_the_upper_half() -> RSAPrivateKey:
+    """An owner key whose fingerprint sorts after half of all keys (so that a rogue key sorting before
+    it is found in a few tries: with a key like 00..., 64 tries are not enough)."""
+    for _ in range(64):
+        key = RSAPrivateKey()
+        if owner_fingerprint(RSASignatureValidator(key).local_public_key) >= "8":
+            return key
+    raise AssertionError("no RSA key in 64 sorts in the upper half")
+
+
 def test_joiners_follow_the_owners_spec_and_name_the_rogue(local_swarm, tmp_path):
-    local_swarm.start_bootstrap()
+    (tmp_path / "owner.id.rsa").write_bytes(key_in_the_upper_half().to_bytes())  # the bootstrap's record key
+    local_swarm.start_bootstrap("--identity-path", str(tmp_path / "owner.id"))
     owner = local_swarm.run_owner()
+    assert owner >= "8"
     identity = tmp_path / "rogue.id"
     (tmp_path / "rogue.id.rsa").write_bytes(rogue_key_sorting_before(owner).to_bytes())
     dht, validator = open_dht(DHTNodeConfig(initial_peers=tuple(local_swarm.maddrs), identity_path=str(identity)))
