@@ -54,7 +54,7 @@ def drift(state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor]
           weight_decay: float, steps: int) -> tuple[float, str]:
     """The largest ``|θ − θ0|`` of ``state``'s parameters as a fraction of what ``steps`` + SLACK_STEPS
     AdamW steps allow (> 1: implausible; non-finite weights: inf), and the tensor where it is."""
-    bound_steps = max(steps, 0) + SLACK_STEPS
+    bound_steps, bound = max(steps, 0) + SLACK_STEPS, adamw_step_bound()
     worst, where = 0.0, ""
     for name, start in initial.items():
         value = state.get(name)
@@ -65,7 +65,7 @@ def drift(state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor]
             continue
         if not bool(torch.isfinite(value).all()):
             return math.inf, name
-        per_step = lr * (adamw_step_bound() + weight_decay * float(value.abs().max()))
+        per_step = lr * (bound + weight_decay * float(value.abs().max()))
         moved = float((value - start.to(torch.float64)).abs().max())
         fraction = moved / (per_step * bound_steps) if per_step > 0 else (math.inf if moved else 0.0)
         if fraction > worst:
