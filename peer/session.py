@@ -52,6 +52,7 @@ from swarm.failure_detector import FailureDetector
 from swarm.gradient_sync import GradientSync
 from swarm.membership import MembershipNotices, membership_handler
 from swarm.model import stage_flops_per_sample
+from swarm.plausibility import optimizer_steps
 from swarm.router import Router
 from swarm.spot_check import SpotChecker
 from swarm.stage import Stage
@@ -199,7 +200,7 @@ class StageSession:
             await self.gradient_sync.start()
         self.replication = ReplicationServer(ctx.p2p, run_id=spec.namespace, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout,
-                                             backup_fn=ctx.keeper.backup_fn)
+                                             backup_fn=ctx.keeper.backup_fn, on_served=self._served)
         if "corrupt_shards" in ctx.faults:
             inject_corrupt_shards(self.replication)
         await self.replication.start()
@@ -456,9 +457,17 @@ class StageSession:
         stale one), its current state."""
         alone = not [r for r in self.ctx.view.members(self.stage.index) if r.peer_id != self.ctx.peer_id]
         if self.stage.snapshot is not None and not alone:
-            return self.stage.snapshot
-        state = await self.stage.run(self.stage.state_tensors)
-        return int(state.pop("counters.num_steps")), state  # the version this state has, not a later step
+            version, state = self.stage.snapshot
+        else:
+            state = await self.stage.run(self.stage.state_tensors)
+            version = int(state.pop("counters.num_steps"))  # the version this state has, not a later step
+        if self.averager is not None:  # whoever downloads it shares this state with this replica (the pair check)
+            self.averager.anchors.serving(version, optimizer_steps(state))
+        return version, state
+
+    def _served(self, peer_id: str, version: int) -> None:
+        if self.averager is not None:
+            self.averager.anchors.served(peer_id, version)
 
     async def _answers_ping(self, peer_id: str) -> bool:
         """Does ``peer_id`` answer a ping? (asked of a stage's last holders before rescuing it)"""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
@@ -138,12 +139,13 @@ class ReplicationServer:
         request_timeout: float = 30.0,
         max_cached: int = 2,
         backup_fn: BackupFn = lambda stage: None,
+        on_served: Callable[[str, int], None] = lambda peer_id, version: None,
     ) -> None:
         if request_timeout <= 0 or max_cached < 1:
             raise ValueError("request_timeout must be > 0 and max_cached >= 1")
         self.p2p, self.run_id, self.stage = p2p, run_id, stage
         self.snapshot_fn, self.request_timeout, self.max_cached = snapshot_fn, request_timeout, max_cached
-        self.backup_fn = backup_fn
+        self.backup_fn, self.on_served = backup_fn, on_served  # on_served(caller, version): a piece of this stage sent
         self.num_refused = 0
         self.num_shards_served = 0
         self._cache: dict[int, OrderedDict[int, _Version]] = {stage: OrderedDict()}  # stage -> version -> bytes
@@ -177,7 +179,8 @@ class ReplicationServer:
         caller = getattr(info, "peer_id", None)
         lock = self._send_locks.setdefault(caller, asyncio.Lock())
         try:
-            await self._serve(reader, writer, self._process_shard, what="shard", send_lock=lock)
+            await self._serve(reader, writer, functools.partial(self._process_shard, caller=caller), what="shard",
+                              send_lock=lock)
         finally:
             if not lock.locked() and self._send_locks.get(caller) is lock:
                 del self._send_locks[caller]  # no other answer to this caller is waiting
@@ -284,7 +287,7 @@ class ReplicationServer:
             evicted, _ = versions.popitem(last=False)
             logger.info(f"replication: stage {stage} version {evicted} evicted from the serving cache")
 
-    async def _process_shard(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    async def _process_shard(self, header: dict[str, Any], *, caller: Any = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
         stage, _ = self._require_stage(header)
         version = require_int(header, "version")
         shard_bytes = self._require_shard_bytes(header)
@@ -294,6 +297,8 @@ class ReplicationServer:
             raise ValueError(f"{count} shards of {shard_bytes} bytes exceed {MAX_REQUEST_SHARD_BYTES} bytes")
         data = await self.load_shard(version, shard_bytes, index, count, stage=stage)
         self.num_shards_served += count
+        if stage == self.stage and caller is not None:
+            self.on_served(str(caller), version)
         logger.debug(f"replication: shards {index}+{count} of stage {stage} v{version} ({len(data)} bytes) served")
         return {"ok": True, "index": index, "nbytes": len(data)}, [pack_bytes(data)]
 

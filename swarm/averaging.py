@@ -34,7 +34,7 @@ import torch
 
 from dht.registry import dht_time
 from dht.reputation import Reputation
-from swarm.plausibility import drift, initial_parameters
+from swarm.plausibility import PairAnchors, drift, initial_parameters, pair_shift, partner_steps_since
 from swarm.robust import MIN_ROBUST_ROWS
 from swarm.robust_allreduce import Report, RobustAverager
 from swarm.stage import Stage
@@ -112,6 +112,7 @@ class StageAverager:
         self.last_seen: dict[str, float] = {}  # peer id -> the last round (time) it was in a group with this peer
         self.num_refused_parts = self.num_outvoted_parts = 0  # parts this peer reduced, all rounds
         self._initial: dict[str, torch.Tensor] | None = None  # the run seed's parameters (the plausibility check)
+        self.anchors = PairAnchors()  # where each partner's state and this one's last were one (the pair check)
         self._warned_pair = False  # said once that a round of two cannot out-vote
         # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
@@ -212,16 +213,19 @@ class StageAverager:
                                f"with {partner[-6:]}, which is banned here")
                 self.on_discard(at, len(group), num_members)
                 return False
-            if reason := await self.stage.run(self._implausible_result):
+            if reason := await self.stage.run(self._implausible_result, partner):
                 if partner and self.reputation is not None:  # in a pair, the push can only be the partner's
-                    self.reputation.strike(partner, f"its averaging round gave an implausible state: {reason}",
-                                           weight=self.reputation.max_strikes)
+                    # the seed bound holds for any honest state: beyond it is proof; beyond the pair
+                    # bound is a partner that moved more than it could since (two such rounds ban it)
+                    weight = self.reputation.max_strikes if reason.startswith("seed") else max(1, self.reputation.max_strikes // 2)
+                    self.reputation.strike(partner, f"its averaging round gave an implausible state: {reason}", weight=weight)
                 self.num_discarded_rounds += 1
                 logger.warning(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, "
                                f"which no honest replica could have sent ({reason}; swarm/plausibility.py)")
                 self.on_discard(at, len(group), num_members)
                 return False
             digest = await self.stage.run(self._copy_out, at)
+            self.anchors.averaged(members, await self.stage.run(self._own_steps))
         if len(group) == 2 and self.aggregation != "mean" and not self._warned_pair:
             self._warned_pair = True
             logger.warning(f"stage {self.stage.index} averages in a pair: two replicas cannot out-vote each other, so "
@@ -240,21 +244,40 @@ class StageAverager:
             for tensor, live in zip(tensors, self.stage.averaged_tensors(), strict=True):
                 tensor.copy_(live.detach().cpu())
 
-    def _implausible_result(self) -> str:
+    def _own_steps(self) -> float:
+        return max((float(self.stage.optimizer.state[p].get("step", 0.0)) for p in self.stage.model.parameters()),
+                   default=0.0)
+
+    def _implausible_result(self, partner: str = "") -> str:
         """Why the round's result cannot be an average of honest replicas' states (compute thread), or
-        "": its parameters stand farther from the run seed's initialisation than this replica's AdamW
-        steps allow. A round of two gives each member half the say, so this is what keeps an honest
-        replica from taking half of a Byzantine one's pushed state when no third can out-vote it."""
+        "". Two checks: its parameters stand farther from the run seed's initialisation than this
+        replica's AdamW steps allow (any round: "seed ..."); and, in a pair with a partner whose state
+        came from this replica (:class:`PairAnchors`), the round moves this replica farther than its
+        own and the partner's steps since then allow ("pair ..."). A round of two gives each member
+        half the say, so this is what keeps an honest replica from taking half of a Byzantine one's
+        pushed state when no third can out-vote it."""
         if self._initial is None:
             self._initial = initial_parameters(self.stage.spec, self.stage.index)
         spec, params = self.stage.spec, list(self.stage.model.named_parameters())
-        steps = int(max((float(self.stage.optimizer.state[p].get("step", 0.0)) for _, p in params), default=0.0))
+        steps = self._own_steps()
         with self.averager.get_tensors() as tensors:
             result = {f"model.{name}": tensor for (name, _), tensor in zip(params, tensors)}
-            fraction, where = drift(result, self._initial, lr=spec.lr, weight_decay=spec.weight_decay, steps=steps)
+            fraction, where = drift(result, self._initial, lr=spec.lr, weight_decay=spec.weight_decay, steps=int(steps))
+            if fraction > 1.0:
+                return (f"seed bound: {where} would stand {fraction:.0f}x farther from the run seed's initialisation "
+                        f"than {steps:.0f} steps allow")
+            anchor = self.anchors.anchor(partner) if partner else None
+            if anchor is None:
+                return ""
+            result_steps = max((float(t) for t in tensors[-len(params):]), default=0.0)  # the averaged "step"s
+            own = {f"model.{name}": p for name, p in params}
+            partner_steps = partner_steps_since(anchor, steps, result_steps)
+            fraction, where = pair_shift(result, own, lr=spec.lr, weight_decay=spec.weight_decay,
+                                         own_steps=steps - anchor, partner_steps=partner_steps)
         if fraction <= 1.0:
             return ""
-        return f"{where} would stand {fraction:.0f}x farther from the run seed's initialisation than {steps} steps allow"
+        return (f"pair bound: {where} would move {fraction:.0f}x farther than {steps - anchor:.0f} steps of this "
+                f"replica and {partner_steps:.0f} of its partner allow since the state they last shared")
 
     def _copy_out(self, at: float) -> str:
         with self.averager.get_tensors() as tensors, torch.no_grad():

@@ -14,12 +14,20 @@ What it does not catch: a state pushed less than that bound (after 100 steps at 
 steps than it took (the step count is read from the state it serves). It is a floor under the robust
 averaging's majority, for the moments when there is no honest majority to ask: a stage's first
 holder serving a joiner, a round of two (docs/security.md).
+
+A round of two has a tighter check where the partner's state came from this replica: a state this
+replica served it, or a round both kept (:class:`PairAnchors`). Both then moved from one common state
+by their own steps since, so the round may shift this replica's parameters by at most half of
+(its steps + the partner's) AdamW moves (:func:`pair_shift`), however long they trained before. That
+is what catches a Byzantine replica that joined second: it downloads the honest replica's trained
+state, so its pushes stay far within the seed bound of the honest step count.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -28,6 +36,8 @@ from swarm.model import StageModel
 
 BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which swarm/stage.py uses
 SLACK_STEPS = 2  # steps granted beyond the state's own count (a round's members may be a step or two ahead)
+PARTNER_SPEEDUP = 4  # a pair partner is granted at most this many times this replica's steps since their anchor
+MAX_SERVED_VERSIONS = 64  # served versions whose step counts a replica remembers
 
 
 def adamw_step_bound(beta1: float = BETAS[0], beta2: float = BETAS[1]) -> float:
@@ -92,3 +102,74 @@ def implausible(state: Mapping[str, torch.Tensor], spec: RunSpec, stage: int, *,
         return f"{where} is not finite"
     return (f"{where} stands {fraction:.0f}x farther from the run seed's initialisation than "
             f"{steps} AdamW steps at lr {spec.lr:g} can move it")
+
+
+def pair_shift(result: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float,
+               own_steps: float, partner_steps: float) -> tuple[float, str]:
+    """How far a pair round's ``result`` moves this replica's parameters ``own``, as a fraction of what
+    an honest partner that started from this replica's state ``own_steps`` steps ago and took
+    ``partner_steps`` since allows: the pair's mean is half their difference, and each moved at most
+    ``lr · (R + wd · |θ|)`` per step (> 1: the partner pushed; non-finite: inf)."""
+    steps = max(own_steps, 0.0) + max(partner_steps, 0.0) + 2 * SLACK_STEPS
+    bound, worst, where = adamw_step_bound(), 0.0, ""
+    for name, mine in own.items():
+        value = result.get(name)
+        if value is None or value.shape != mine.shape or value.numel() == 0:
+            continue
+        value, mine = value.detach().to("cpu", torch.float64), mine.detach().to("cpu", torch.float64)
+        if not bool(torch.isfinite(value).all()):
+            return math.inf, name
+        per_step = lr * (bound + weight_decay * max(float(value.abs().max()), float(mine.abs().max())))
+        moved = float((value - mine).abs().max())
+        allowed = per_step * steps / 2
+        fraction = moved / allowed if allowed > 0 else (math.inf if moved else 0.0)
+        if fraction > worst:
+            worst, where = fraction, name
+    return worst, where
+
+
+def partner_steps_since(anchor: float, own_steps: float, result_steps: float) -> float:
+    """The steps a pair partner took since the anchor, read from the round's averaged step count (the
+    mean of the two: ``2 · result − own``), capped at ``PARTNER_SPEEDUP`` times this replica's own
+    since then: a partner cannot loosen the check by claiming steps it did not take."""
+    own_since = max(own_steps - anchor, 0.0)
+    claimed = 2 * result_steps - own_steps - anchor
+    cap = PARTNER_SPEEDUP * own_since + SLACK_STEPS
+    return min(max(claimed, 0.0), cap) if math.isfinite(claimed) else cap
+
+
+class PairAnchors:
+    """Where this replica's state and each partner's last were one: this replica's optimizer step
+    count at the last state it served that partner or averaged with it in a kept round. A partner
+    with no anchor (its state came from elsewhere: another holder, the seed, a backup) gets the seed
+    bound only (:func:`drift`)."""
+
+    def __init__(self, max_versions: int = MAX_SERVED_VERSIONS) -> None:
+        self.max_versions = max_versions
+        self._served: OrderedDict[int, float] = OrderedDict()  # version served -> its optimizer steps
+        self._anchors: dict[str, float] = {}  # partner -> this replica's steps at their common state
+
+    def serving(self, version: int, steps: float) -> None:
+        """This replica serves ``version`` of its state, at ``steps`` optimizer steps."""
+        self._served[version] = steps
+        self._served.move_to_end(version)
+        while len(self._served) > self.max_versions:
+            self._served.popitem(last=False)
+
+    def served(self, peer_id: str, version: int) -> None:
+        """``peer_id`` downloaded ``version`` of this replica's state (a version not remembered is ignored)."""
+        steps = self._served.get(version)
+        if steps is not None:
+            self._anchors[peer_id] = steps
+
+    def averaged(self, peer_ids: Iterable[str], steps: float) -> None:
+        """A round this replica kept, with ``peer_ids``, left every member this state at ``steps``."""
+        for peer_id in peer_ids:
+            self._anchors[peer_id] = steps
+
+    def forget(self, peer_id: str) -> None:
+        self._anchors.pop(peer_id, None)
+
+    def anchor(self, peer_id: str) -> float | None:
+        """This replica's steps at its last common state with ``peer_id``, or None if it has none."""
+        return self._anchors.get(peer_id)

@@ -1,11 +1,11 @@
-"""A Byzantine replica among three, joining last or first: the honest loss stays within 5% of a clean run's.
+"""A Byzantine replica among three, joining first, second or last: the honest loss stays within 5% of a clean run's.
 
 Three real swarms of run_peer.py processes, one after the other, with the same run spec and seed: a
 single stage held by three replicas that average every few seconds. In the first two, one replica is
 Byzantine (``MURMURATION_INJECT_FAULTS=scale_updates=100``, test-only): each of its optimizer steps moves its
 parameters a hundred times too far, and that state is what it brings to every averaging round and
-serves to joiners. It joins last in the first swarm, first in the second. The third, clean, trains
-to the microbatch count of both. A plain mean would hand every replica a third of it
+serves to joiners. It joins last in the first swarm, first in the second, second in the third. The
+fourth, clean, trains to the microbatch count of all three. A plain mean would hand every replica a third of it
 (docs/robust-averaging.md has the measurement).
 """
 
@@ -18,7 +18,7 @@ import pytest
 from peer.harness.local_swarm import LocalSwarm, wait_for
 from peer.faults import ALLOW_ENV, FAULTS_ENV
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 # Per-replica steps (--replica-sync periodic): this test is about the averaging rounds, where the
 # Byzantine replica's state is out-voted. Under the default swarm-wide batch its gradients are
 # out-voted only in batches that three or more replicas contribute to, and a batch of two microbatches
@@ -115,13 +115,14 @@ def same_digest_after_every_common_round(peers) -> int:
     return len(common)
 
 
-def test_a_byzantine_replica_joining_last_or_first_cannot_derail_the_honest_ones(local_swarm, tmp_path, monkeypatch):
-    """Three swarms one after another: the Byzantine replica joining last, then joining first, then the
+def test_a_byzantine_replica_joining_first_second_or_last_cannot_derail_the_honest_ones(local_swarm, tmp_path,
+                                                                                       monkeypatch):
+    """Four swarms one after another: the Byzantine replica joining last, first, then second, then the
     clean swarm (two honest replicas start the stage, a third joins later) trained to the microbatch
-    count of both, against which each Byzantine run's honest loss is compared."""
+    count of all three, against which each Byzantine run's honest loss is compared."""
     monkeypatch.setenv(ALLOW_ENV, "1")  # inherited by the peers; only the one given the faults misbehaves
     runs = {}
-    for order in ("last", "first"):
+    for order in ("last", "first", "second"):
         swarm = local_swarm if order == "last" else LocalSwarm(tmp_path / order)
         try:
             runs[order] = train(swarm, byzantine=True, order=order)
@@ -135,7 +136,7 @@ def test_a_byzantine_replica_joining_last_or_first_cannot_derail_the_honest_ones
         # which the honest replicas of the "first" run refuse with its state: the comparison would
         # measure that, not the attack)
         clean_peers, clean_third = train(clean_swarm, byzantine=False, min_microbatches=max(ends.values()), order="last",
-                                         min_odd_microbatches=ends["first"])
+                                         min_odd_microbatches=max(ends["first"], ends["second"]))
     finally:
         clean_swarm.shutdown(timeout=20)
         print(clean_swarm.logs())  # shown by pytest only when the test failed
@@ -143,6 +144,8 @@ def test_a_byzantine_replica_joining_last_or_first_cannot_derail_the_honest_ones
     # the "first" run's honest replicas are one that started the stage and one that joined later and
     # downloaded its state (with its head start): compared with the clean run's like pair
     check_refused_when_first(*runs["first"], [clean_peers[0], clean_third], ends["first"])
+    # joining second, the honest pair is again one that started the stage and one that joined later
+    check_dropped_when_second(*runs["second"], [clean_peers[0], clean_third], ends["second"])
 
 
 def check_out_voted_when_last(honest: list, bad, clean_peers: list, end: int) -> None:
@@ -183,10 +186,7 @@ def check_refused_when_first(honest: list, bad, clean_peers: list, end: int) -> 
     where no method can out-vote it. The honest peers refuse its state (swarm/plausibility.py: no
     AdamW training moves weights that far), the first of them starting from the run seed instead and
     saying so, drop the pair rounds whose result carries its pushes, and their loss stays within 5 %
-    of the clean swarm's at the same microbatch count.
-
-    Joining second it is not covered (docs/security.md: a push within the plausibility bound, in a
-    pair, keeps half the say); the honest peer says so in its log when it averages in a pair."""
+    of the clean swarm's at the same microbatch count."""
     clean_loss, loss = window_loss(clean_peers, end), window_loss(honest, end)
     logs = [p.log_path.read_text() for p in honest]
     refusals = [e for p in honest for e in p.events("state_refused")]
@@ -202,4 +202,27 @@ def check_refused_when_first(honest: list, bad, clean_peers: list, end: int) -> 
     assert "served only states no training from the run seed makes; initialised from the run seed" in logs[0], summary
     # its pair rounds with the Byzantine one: dropped (the partner is banned here since it served that state)
     assert "which is banned here" in logs[0] or "which no honest replica could have sent" in logs[0], summary
+    assert all(p.process.returncode == 0 for p in honest), summary
+
+
+def check_dropped_when_second(honest: list, bad, clean_peers: list, end: int) -> None:
+    """Joining second, the Byzantine replica downloads the honest first replica's trained state, so
+    its pushes stay far within the seed bound of that replica's step count; in a pair, no method can
+    out-vote it. The honest replica served it that state, so it checks their pair rounds against the
+    state they shared (swarm/plausibility.py, the pair bound), drops them and strikes it; the honest
+    joiner takes the honest state; the honest loss stays within 5 % of the clean swarm's."""
+    clean_loss, loss = window_loss(clean_peers, end), window_loss(honest, end)
+    logs = [p.log_path.read_text() for p in honest]
+    summary = (f"second: at microbatch {end}: clean {clean_loss:.4f}, with the Byzantine replica second {loss:.4f}; "
+               f"states refused {[len(p.events('state_refused')) for p in honest]}, rounds dropped "
+               f"{[len(p.events('averaging_dropped')) for p in honest]}, group sizes "
+               f"{[[e['group_size'] for e in p.events('averaged')] for p in honest]}")
+    print(summary)
+    assert abs(loss - clean_loss) <= 0.05 * clean_loss, summary
+    # the first honest replica dropped its pair rounds with the Byzantine one on the pair bound
+    assert "pair bound:" in logs[0], summary
+    assert honest[0].events("averaging_dropped"), summary
+    bad_id = bad.events("joined")[0]["peer_id"]
+    # the honest joiner did not load the Byzantine replica's state
+    assert not any(bad_id in e["donors"] for e in honest[1].events("state_download")), summary
     assert all(p.process.returncode == 0 for p in honest), summary

@@ -55,15 +55,18 @@ def test_a_keeper_serves_its_backup_and_its_own_stage_and_refuses_other_stages(n
         return snapshot
 
     async def main():
+        served = []  # (caller, version) of the keeper's own stage's pieces: the pair check's anchors
         server = ReplicationServer(await keeper.replicate_p2p(), run_id=RUN, stage=OWN, snapshot_fn=own_snapshot,
-                                   backup_fn=backup_fn)
+                                   backup_fn=backup_fn, on_served=lambda peer_id, version: served.append((peer_id, version)))
         p2p = await puller.replicate_p2p()
         async with server:
             pulled = await pull_state(p2p, [keeper_id], run_id=RUN, stage=BACKED_UP, store_dir=tmp_path / "b",
                                       config=CONFIG)
             assert pulled.version == 41 and all(torch.equal(pulled.state[k], v) for k, v in BACKUP_STATE.items())
+            assert served == []  # a backup's pieces are not the keeper's own state
             own = await pull_state(p2p, [keeper_id], run_id=RUN, stage=OWN, store_dir=tmp_path / "o", config=CONFIG)
             assert own.version == 7 and all(torch.equal(own.state[k], v) for k, v in OWN_STATE.items())
+            assert served and set(served) == {(puller.peer_id.to_base58(), 7)}, served
             assert server.cached_shard_sizes(41, stage=BACKED_UP) and server.cached_shard_sizes(7)
             assert server.cached_shard_sizes(41) == ()  # version 41 is not of the keeper's own stage
 

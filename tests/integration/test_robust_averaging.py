@@ -13,6 +13,7 @@ from hivemind.utils import get_dht_time
 
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from dht.registry import declare_peer, dht_time
+from dht.reputation import Reputation
 from swarm.averaging import StageAverager
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -120,6 +121,45 @@ def test_a_pair_in_a_stage_of_three_drops_its_round_and_keeps_its_own_state(dht_
         assert asyncio.run(one_round(num_members=2)) == [True, True]  # the stage has only these two: the mean
         assert stages[0].params_digest() == stages[1].params_digest()
         torch.testing.assert_close(flat(stages[0]), (before[0] + before[1]) / 2, rtol=0, atol=1e-6)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+@pytest.mark.parametrize("dht_nodes", [3], indirect=True)
+def test_a_pair_partner_that_pushed_since_their_last_common_state_is_dropped_and_struck(dht_nodes):
+    # the Byzantine replica that joins second shares the honest one's state, then pushes within the
+    # seed bound of the honest step count: only the pair bound, anchored at the shared state, sees it
+    stages = [Stage(SPEC, 1, device=torch.device("cpu")) for _ in range(2)]
+    for seed, stage in enumerate(stages):
+        drift(stage, seed=seed, scale=1.0)
+    reputations = [Reputation(), Reputation()]
+    averagers = [StageAverager(stage, dht, SwarmView(dht, SPEC.run_id), client_mode=False, matchmaking_time=1.5,
+                               reputation=reputation)
+                 for stage, reputation, (dht, _) in zip(stages, reputations, dht_nodes[1:])]
+    partner_id = dht_nodes[2][0].peer_id.to_base58()
+    dropped = []
+    averagers[0].on_discard = lambda at, size, members: dropped.append((size, members))
+
+    async def one_round() -> list[bool]:
+        at, stop = dht_time() + 3.0, asyncio.Event()
+        return await asyncio.gather(*(a.run_round(at, stop, num_members=2) for a in averagers))
+
+    try:
+        assert asyncio.run(one_round()) == [True, True]  # the common state, at 10 steps each
+        assert averagers[0].anchors.anchor(partner_id) == STEPS
+        with torch.no_grad():  # two more steps each; the partner pushes one tensor 0.3 per coordinate
+            for index, stage in enumerate(stages):
+                for number, param in enumerate(stage.model.parameters()):
+                    param.add_(0.3 if index == 1 and number == 0 else 0.001)
+                    stage.optimizer.state[param]["step"] = torch.tensor(float(STEPS + 2))
+        before = flat(stages[0]).clone()
+        # the seed bound would pass the result (0.15 + the first drift < 14 steps x 7.27 x lr = 0.31):
+        # the pair bound allows half of (2 + 2 + 4 slack) steps, 0.087
+        kept = asyncio.run(one_round())
+        assert kept[0] is False and dropped == [(2, 2)], (kept, dropped)
+        assert torch.equal(flat(stages[0]), before), "a dropped round changed the honest replica's state"
+        assert reputations[0].num_strikes_of(partner_id) >= 1
     finally:
         for averager in averagers:
             averager.shutdown()
