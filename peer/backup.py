@@ -48,6 +48,7 @@ from replication.layout import StateLayout
 from replication.server import SnapshotFn
 from replication.transfer import PullResult, TransferError, pull_state
 from swarm.model import stage_flops_per_sample, stage_num_params
+from swarm.plausibility import implausible
 from swarm.stage_state import served_state_template
 from swarm.view import SwarmView
 
@@ -231,6 +232,11 @@ class BackupKeeper:
             result = await pull_copy(self.p2p, self.spec, stage, [holder.peer_id],
                                      request_timeout=self.config.request_timeout, reputation=self.reputation)
             _check_identity(self.spec, stage, result.state)
+            if reason := await asyncio.to_thread(implausible, result.state, self.spec, stage):
+                if self.reputation is not None:  # no honest holder serves it: the seed bound holds for any training
+                    self.reputation.strike(holder.peer_id, f"served stage {stage} state no training makes: {reason}",
+                                           weight=self.reputation.max_strikes)
+                raise ValueError(f"refused its state, which no AdamW training from the run seed makes ({reason})")
         except (TransferError, ValueError) as e:
             self._failed_at = self.clock()
             logger.warning(f"could not back up stage {stage} from {holder.peer_id[-6:]}: {e}; retrying in "

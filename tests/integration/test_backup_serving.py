@@ -1,7 +1,8 @@
 """A keeper serves the backup it holds of another stage next to its own, over real hivemind P2P.
 
 Node 0 is the puller (a rescuer or a joiner of the lost stage), node 1 the keeper: it serves its
-own stage 1 and a backup of stage 0 through one ``ReplicationServer`` (seed 001 §3.4).
+own stage 1 and a backup of stage 0 through one ``ReplicationServer`` (seed 001 §3.4). Last, a
+keeper that copies a holder's state refuses one no AdamW training makes (swarm/plausibility.py).
 """
 
 from __future__ import annotations
@@ -12,10 +13,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from dht.records import ModelSpec, PeerRecord, RunSpec
+from dht.reputation import Reputation
 from dht.rpc import RemoteError, call_peer
+from peer.backup import BackupKeeper
+from peer.config import PeerConfig
+from peer.event_log import EventLog
 from replication.config import TransferConfig
 from replication.server import ReplicationServer, manifest_handler, shard_handler
 from replication.transfer import TransferError, pull_state
+from swarm.stage import Stage
+from swarm.view import SwarmView
 from tests.conftest import open_dht_nodes
 
 RUN, OWN, BACKED_UP = "backuptest", 1, 0
@@ -89,3 +97,49 @@ def test_a_keeper_serves_its_backup_and_its_own_stage_and_refuses_other_stages(n
             assert again.version == 7  # and it keeps serving its own stage
 
     asyncio.run(main())
+
+
+SPEC = RunSpec(run_id=RUN, model=ModelSpec(d_model=32, num_layers=2, num_heads=2, seq_len=16),
+               stage_layers=((0, 1), (1, 2)), microbatch_size=4, target_batch_size=8)
+
+
+@pytest.mark.parametrize("pushed", [False, True])
+def test_a_keeper_refuses_a_holders_state_that_no_training_makes_and_bans_the_holder(nodes, pushed):
+    # the keeper copies a lone holder's state: a Byzantine holder's pushed state is refused then, not
+    # only when a rescuer would restore it
+    (keeper_node, _), (holder_node, _) = nodes
+    holder_id = holder_node.peer_id.to_base58()
+    stage = Stage(SPEC, 1, device=torch.device("cpu"))
+    try:
+        state = asyncio.run(stage.run(stage.state_tensors))
+    finally:
+        stage.shutdown()
+    del state["counters.num_steps"]
+    if pushed:  # every weight 1.5 times the seed's, at step 0: beyond what two AdamW steps can move
+        state = {k: v * 1.5 if k.startswith("model.") else v for k, v in state.items()}
+
+    async def snapshot():
+        return 3, state
+
+    async def main():
+        reputation = Reputation()
+        config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), run_id=RUN, backup_period=5.0)
+        p2p = await keeper_node.replicate_p2p()
+        view = SwarmView(keeper_node, SPEC.run_id)
+        keeper = BackupKeeper(p2p, view, SPEC, peer_id=keeper_node.peer_id.to_base58(), config=config,
+                              metrics=EventLog(None), reputation=reputation)
+        holder = PeerRecord(peer_id=holder_id, role="reliable", state="training", stage=1, flops=1e9, version=3)
+        try:
+            async with ReplicationServer(await holder_node.replicate_p2p(), run_id=SPEC.namespace, stage=1,
+                                         snapshot_fn=snapshot):
+                await keeper._pull(1, holder)
+        finally:
+            await view.shutdown()
+        return keeper.backup, reputation
+
+    backup, reputation = asyncio.run(main())
+    if pushed:
+        assert backup is None and reputation.is_banned(holder_id)
+    else:
+        assert backup is not None and backup.stage == 1 and backup.holder_id == holder_id
+        assert not reputation.num_strikes_of(holder_id)
