@@ -15,8 +15,8 @@ claims stage k - 1 under its own bound identity; ``docs/security.md``); the rate
 such a member can push, and its misbehaviour is struck and banned as before.
 
 A sender that keeps pushing after it was turned away is struck once per ``TURNED_AWAY_PER_STRIKE``
-refusals, so a flood earns a ban (its streams are then closed unanswered, which costs less than a
-reply) while an honest newcomer turned away a few times before the view found it never comes near.
+refusals, so a flood earns a ban (its streams are then held unread for a while and closed
+unanswered: ``swarm.stage_server``'s tarpit) while an honest newcomer turned away a few times before the view found it never comes near.
 """
 
 from __future__ import annotations

@@ -45,6 +45,12 @@ from swarm.task_pool import MicrobatchLedger
 
 logger = logging.getLogger(__name__)
 MAX_ROUTE_HOPS = 64
+# A banned sender's stream is held unread this long before it is closed (a tarpit): a flooder that
+# waits for answers sends one request per stream per hold instead of as fast as a close comes back.
+# Held streams cost a coroutine and the daemon's window of buffered bytes each, so at most
+# MAX_TARPITTED are held at once (all senders together); beyond that they are closed at once.
+TARPIT_SECONDS = 5.0
+MAX_TARPITTED = 64
 
 
 class StageServer:
@@ -79,6 +85,8 @@ class StageServer:
         self._accepting = True
         self.is_paused = False  # declines new microbatches while set (the peer's volunteer paused it)
         self._active: set[asyncio.Task] = set()  # handler tasks serving a request right now
+        self.num_tarpitted = 0  # banned senders' streams held unread right now
+        self._stopping = asyncio.Event()  # set when the handler is removed: held streams are closed
 
     @property
     def num_active(self) -> int:
@@ -95,6 +103,7 @@ class StageServer:
     async def stop(self, *, timeout: float) -> None:
         """Unregister the handlers and wait up to ``timeout`` for the requests being served."""
         self.stop_accepting()
+        self._stopping.set()
         run_id = self.stage.spec.namespace
         try:
             await self.p2p.remove_binary_stream_handler(forward_handler(run_id))
@@ -107,12 +116,25 @@ class StageServer:
         sender = info.peer_id.to_base58()  # authenticated by libp2p
         if self.reputation is not None and self.reputation.is_banned(sender):
             self.num_refused += 1
-            writer.close()  # a banned peer gets nothing, not even a reason
+            await self._tarpit(writer)  # a banned peer gets nothing, not even a reason, and not soon
             return
         if self.admission is not None and (code := await self.admission.check(sender)):
             await self._turn_away(sender, code, reader, writer)
             return
         await self._serve(reader, writer, self._process_forward, max_payload_bytes=self.max_payload_bytes, sender=sender)
+
+    async def _tarpit(self, writer: asyncio.StreamWriter) -> None:
+        """Hold a banned sender's stream unread for ``TARPIT_SECONDS`` (fewer if the server stops),
+        then close it; closed at once when ``MAX_TARPITTED`` are held already."""
+        if self.num_tarpitted < MAX_TARPITTED:
+            self.num_tarpitted += 1
+            try:
+                await asyncio.wait_for(self._stopping.wait(), timeout=TARPIT_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self.num_tarpitted -= 1
+        writer.close()
 
     async def _turn_away(self, sender: str, code: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Refuse a request from a peer not admitted (``swarm.admission``) before reading it: a reason,

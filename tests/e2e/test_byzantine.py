@@ -30,6 +30,7 @@ PEER = ("--stage", "0", "--num-threads", "1", "--rebalance-period", "0", "--back
 NUM_ROUNDS = 6  # rounds of all three replicas each honest one takes part in before the losses are compared
 WINDOW = 200  # microbatches of each honest replica that make up the compared loss
 SETTLE_ROUNDS = 3  # rounds with the Byzantine replica before the compared window (they also settle the start)
+HEAD_START = 600  # microbatches the honest first replica trains before a Byzantine one joins second
 ORDERS = ("first", "second", "last")  # where the Byzantine replica joins among the three
 
 
@@ -49,6 +50,11 @@ def start_in_order(swarm: LocalSwarm, *, byzantine: bool, order: str) -> tuple[l
         if index < 2:
             wait_for(lambda: all(p.events("status") for p in peers) or not all(p.is_alive() for p in peers),
                      90, f"the {len(peers)} replicas started so far to train")
+        if index == 0 and byzantine and order == "second":
+            # a trained state to download: the seed bound of its step count is then far looser than
+            # a x100 push in a pair round, which only the pair bound catches (swarm/plausibility.py)
+            wait_for(lambda: len(losses(peers[0])) >= HEAD_START or not peers[0].is_alive(), 120,
+                     f"the first replica to train {HEAD_START} microbatches alone")
     odd = peers.pop(position)
     return peers, odd
 

@@ -7,7 +7,8 @@ swarm with a libp2p identity of its own.
 * As a non-member it floods the last stage's forward handler with well-formed microbatches (a
   request the handler would have computed, counted and answered before this door was closed).
   Every one is refused with code ``not_member``, the peer counts them on /metrics, logs the reason
-  in a bounded number of lines, bans the flooder (its streams are then closed unanswered), and the
+  in a bounded number of lines, bans the flooder (its streams are then held unread a while and closed
+  unanswered: the tarpit), and the
   honest pipeline keeps training: its microbatches per second and the victim's CPU beside the
   flood and before it are printed (a measurement, not asserted: speed is the benchmarks' to judge;
   on this 2-core machine the flooder's own CPU competes with the swarm's).
@@ -149,7 +150,7 @@ def test_strangers_are_refused_and_members_are_rate_limited(local_swarm):
                           "load_average": os.getloadavg()[0]}))
         flooded = rates["flood_at_last_stage"]
         sent = sum(stranger.values())
-        # none accepted: refused with a reason, then (a ban for flooding) closed unanswered
+        # none accepted: refused with a reason, then (a ban for flooding) held and closed unanswered
         assert sent >= 100 and set(stranger) <= {"not_member", "PeerUnavailableError"}, stranger
         assert stranger.get("not_member", 0) >= 8 * TURNED_AWAY_PER_STRIKE, stranger
         counted = after.get("not_member", 0) - before.get("not_member", 0)
@@ -191,7 +192,7 @@ def test_strangers_are_refused_and_members_are_rate_limited(local_swarm):
         finally:
             member_dht.shutdown()
         print(json.dumps({"member": member}))
-        # beyond its share: rate-limited, and once it kept on for 8 x 50 refusals, banned (closed unanswered)
+        # beyond its share: rate-limited, and once it kept on for 8 x 50 refusals, banned (held and closed unanswered)
         seconds = member.pop("seconds")
         assert set(member) <= {"accepted", "rate_limited", "PeerUnavailableError"} and member.get("rate_limited"), member
         # its share: a burst of 2 x the rate, then the rate (+ one second of slack for the clocks' offset)

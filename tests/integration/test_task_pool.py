@@ -102,8 +102,17 @@ def test_a_peer_that_keeps_sending_garbage_is_banned_and_others_are_still_served
                 await call_peer(p2p, peer1, forward_handler(SPEC.run_id), {**header, "route": []}, tensors,
                                 timeout=10, max_payload_bytes=MAX_PAYLOAD)
         assert banned == [dht0.peer_id.to_base58()]
-        with pytest.raises(PeerUnavailableError):  # even a good request goes unanswered now
-            await call_peer(p2p, peer1, forward_handler(SPEC.run_id), header, tensors, timeout=10, max_payload_bytes=MAX_PAYLOAD)
+        # even a good request goes unanswered now: held unread (a tarpit), then closed
+        call = asyncio.create_task(call_peer(p2p, peer1, forward_handler(SPEC.run_id), header, tensors, timeout=10,
+                                             max_payload_bytes=MAX_PAYLOAD))
+        for _ in range(100):
+            if server.num_tarpitted == 1 or call.done():
+                break
+            await asyncio.sleep(0.05)
+        assert server.num_tarpitted == 1 and not call.done()
+        with pytest.raises(PeerUnavailableError):
+            await call
+        assert server.num_tarpitted == 0
         assert stage1.counters.num_samples == 0
         reply, _ = await call_peer(await other.replicate_p2p(), peer1, forward_handler(SPEC.run_id), header, tensors,
                                    timeout=10, max_payload_bytes=MAX_PAYLOAD)  # someone else is still served
