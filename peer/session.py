@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from dht.records import RunSpec
+from dht.registry import dht_time
 from dht.reputation import Reputation
 from peer.backup import BackupKeeper, RescueWatch
 from peer.checkpoint import WriteProgress, checkpoint_path, save_checkpoint
@@ -217,6 +218,8 @@ class StageSession:
         self.averager = StageAverager(stage, ctx.dht, ctx.view, client_mode=ctx.role == "unreliable" or config.client_mode,
                                       aggregation=config.aggregation, on_round=self._on_round, on_outliers=self._on_outliers,
                                       on_discard=self._on_discard, reputation=ctx.reputation)
+        self.averager.loaded_from(stage.loaded_from, dht_time())
+        stage.loaded_from = ()  # once: a later session of this replica shares its state with nobody yet
         if stage.is_first:
             self.trainer = self._new_trainer(replay)
         ctx.view.start()

@@ -214,6 +214,7 @@ class StateLoader:
     async def _downloaded(self, stage: Stage, result: PullResult) -> None:
         digest = await stage.run(stage.params_digest)  # what was loaded, for tests and reports
         report = result.report
+        stage.loaded_from = tuple(report.donors)
         self.metrics.write("state_download", version=result.version, seconds=report.seconds,
                            bytes_by_donor=report.bytes_by_donor, failed_donors=report.failed_donors,
                            donors=report.donors, num_duplicated=report.num_duplicated,

@@ -135,6 +135,16 @@ class StageAverager:
             client_mode=client_mode, allow_state_sharing=False,
         )
 
+    def loaded_from(self, donors: Iterable[str], now: float) -> None:
+        """This replica just loaded the state ``donors`` served (its own step count is theirs then):
+        they are its pair anchors, and count as replicas it averaged with at ``now``, so a pair round
+        with another newcomer, before any round with them, is dropped rather than kept as the stage's
+        only pair (a Byzantine replica beside the donor would otherwise get half this replica's say)."""
+        donors = [d for d in donors if d != self.peer_id]
+        self.anchors.averaged(donors, self._own_steps())
+        for donor in donors:
+            self.last_seen[donor] = max(self.last_seen.get(donor, now), now)
+
     def next_round_time(self, now: float) -> float:
         return next_round_time(now, self.period, lead=self.matchmaking_time + PREPARE_AHEAD)
 

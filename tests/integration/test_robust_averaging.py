@@ -205,6 +205,46 @@ def test_a_pair_with_a_newcomer_is_dropped_by_the_replica_that_averaged_with_a_t
             averager.shutdown()
 
 
+@pytest.mark.parametrize("dht_nodes", [4], indirect=True)
+def test_a_newcomer_drops_a_pair_with_anyone_but_the_holder_it_loaded_from(dht_nodes):
+    # CI, Byzantine joining second: the honest joiner took the honest holder's state, then formed a
+    # pair with the Byzantine replica (it had averaged with nobody yet, so the pair looked like the
+    # whole stage), kept it, and took half its pushed state: honest loss +43 %
+    stages = [Stage(SPEC, 1, device=torch.device("cpu")) for _ in range(3)]  # holder, the other one, newcomer
+    for seed, stage in enumerate(stages):
+        drift(stage, seed=seed, scale=1.0)
+    nodes = dht_nodes[1:]
+    views = [SwarmView(dht, SPEC.run_id) for dht, _ in nodes]
+    averagers = [StageAverager(stage, dht, view, client_mode=False, matchmaking_time=1.5)
+                 for stage, view, (dht, _) in zip(stages, views, nodes)]
+    holder_id = nodes[0][0].peer_id.to_base58()
+    dropped = []
+    averagers[2].on_discard = lambda at, size, members: dropped.append((size, members))
+
+    async def announce_all() -> None:
+        for dht, validator in nodes:
+            record = PeerRecord(peer_id=dht.peer_id.to_base58(), role="reliable", state="training", stage=1,
+                                flops=1e9, announced_at=get_dht_time())
+            assert await declare_peer(dht, validator, SPEC.run_id, record, ttl=60)
+        assert len((await views[2].refresh())) == 3
+
+    async def one_round(pair: list[StageAverager]) -> list[bool]:
+        at, stop = dht_time() + 3.0, asyncio.Event()
+        return await asyncio.gather(*(a.run_round(at, stop) for a in pair))
+
+    try:
+        asyncio.run(announce_all())
+        averagers[2].loaded_from([holder_id], dht_time())  # the newcomer loaded the holder's state
+        assert averagers[2].anchors.anchor(holder_id) == STEPS
+        before = flat(stages[2]).clone()
+        kept = asyncio.run(one_round([averagers[1], averagers[2]]))  # a pair with the other replica
+        assert kept[1] is False and dropped == [(2, 3)], (kept, dropped)
+        assert torch.equal(flat(stages[2]), before), "a dropped round changed the newcomer's state"
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
 @pytest.mark.parametrize("dht_nodes", [1], indirect=True)
 def test_shutdown_during_a_round_finalizes_its_runner_and_cancels_a_pending_one(dht_nodes):
     # hivemind 1.1.12's own _shutdown raised AttributeError here (it called finalize on the futures)
