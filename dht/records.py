@@ -46,31 +46,75 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+MODEL_FAMILIES = ("gpt", "llama")
+# ModelSpec fields newer than the GPT family, left off the wire at these values: a GPT run's spec (and
+# its checkpoints' spec digest, peer/checkpoint.py) reads as before they existed
+MODEL_WIRE_DEFAULTS = {"family": "gpt", "num_kv_heads": 0, "ffn_dim": 0}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A GPT-style decoder: byte tokens in, next-byte logits out.
+    """A decoder-only transformer: tokens in, next-token logits out (swarm/model.py builds it).
 
     Attributes:
+        family: ``"gpt"`` (GPT-2 style: LayerNorm, learned positions, GELU MLP, biases) or
+            ``"llama"`` (Llama style: RMSNorm, rotary positions, SwiGLU MLP, grouped-query
+            attention, no biases). Both have an untied output head, so stages share no parameters.
         vocab_size: tokens in the vocabulary (256 for bytes).
         d_model: width of the residual stream.
         num_layers: transformer blocks in the whole model.
         num_heads: attention heads per block; must divide ``d_model``.
         seq_len: tokens per training sequence.
+        num_kv_heads: key/value heads (``llama``; grouped-query attention); 0: ``num_heads``. Must
+            divide ``num_heads``.
+        ffn_dim: the MLP's hidden width; 0: the family's default (:attr:`ffn_width`).
     """
 
+    family: str = "gpt"
     vocab_size: int = 256
     d_model: int = 128
     num_layers: int = 4
     num_heads: int = 4
     seq_len: int = 64
+    num_kv_heads: int = 0
+    ffn_dim: int = 0
 
     def __post_init__(self) -> None:
+        if self.family not in MODEL_FAMILIES:
+            raise ValueError(f"model family must be one of {', '.join(MODEL_FAMILIES)}, got {self.family!r}")
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
                 raise ValueError(f"model {name} must be an integer in [1, 2**20], got {value!r}")
+        for name in ("num_kv_heads", "ffn_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1 << 20:
+                raise ValueError(f"model {name} must be an integer in [0, 2**20], got {value!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads {self.num_heads} must divide d_model {self.d_model}")
+        if self.family == "gpt" and (self.num_kv_heads not in (0, self.num_heads)):
+            raise ValueError("num_kv_heads (grouped-query attention) needs the llama family")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}")
+        if self.family == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head width, got d_model/num_heads = {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` when 0."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden width: ``ffn_dim``, else 4 × d_model (gpt) or 8/3 × d_model rounded up to
+        a multiple of 32 (llama, whose SwiGLU has three matrices instead of two)."""
+        if self.ffn_dim:
+            return self.ffn_dim
+        return 4 * self.d_model if self.family == "gpt" else -(-8 * self.d_model // 3 // 32) * 32
 
 
 PIPELINE_SCHEDULES = ("flush", "delayed")
@@ -180,6 +224,9 @@ class RunSpec:
     def to_wire(self) -> dict[str, Any]:
         wire = asdict(self)
         wire["stage_layers"] = [list(r) for r in self.stage_layers]
+        for key, default in MODEL_WIRE_DEFAULTS.items():
+            if wire["model"][key] == default:
+                del wire["model"][key]
         return wire
 
     @classmethod
@@ -205,7 +252,8 @@ class RunSpec:
     def describe(self) -> str:
         m = self.model
         return (
-            f"run {self.run_id}: GPT d_model={m.d_model} layers={m.num_layers} heads={m.num_heads} "
+            f"run {self.run_id}: {'Llama' if m.family == 'llama' else 'GPT'} d_model={m.d_model} "
+            f"layers={m.num_layers} heads={m.num_heads}{f'/{m.kv_heads} kv' if m.kv_heads != m.num_heads else ''} "
             f"seq_len={m.seq_len}, {self.num_stages} stages {list(self.stage_layers)}, "
             f"dataset {self.dataset}, seed {self.seed}"
         )

@@ -3,35 +3,63 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
 from dht.node import DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import ModelSpec, RunSpec, even_stage_layers
 from dht.registry import declare_run_spec, fetch_run_specs, owner_fingerprint
-from peer.config import BootstrapConfig
+from peer.config import BootstrapConfig, PeerConfig
+from peer.profiler import stage_memory_bytes
 from peer.relayout import newest_layout_records
 from peer.status.service import StatusService, StatusSource
 from swarm.data import BUILTIN_PYDOC, files_dataset_id, load_corpus
+from swarm.presets import preset
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
+DEFAULT_MAX_IN_FLIGHT = PeerConfig.__dataclass_fields__["max_in_flight"].default  # what a peer keeps in flight
 
 
 def build_run_spec(config: BootstrapConfig) -> RunSpec:
     """The run spec the bootstrap publishes; ``ValueError`` or ``DataError`` on bad settings."""
     dataset = files_dataset_id(config.data) if config.data else BUILTIN_PYDOC
     load_corpus(dataset, config.data)  # fail here, not on every peer, if the files are unusable
-    model = ModelSpec(d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
-                      seq_len=config.seq_len)
-    return RunSpec(
-        run_id=config.run_id, model=model, stage_layers=even_stage_layers(config.num_layers, config.num_stages),
+    if config.preset:
+        model = preset(config.preset)
+    else:
+        model = ModelSpec(family=config.model_family, d_model=config.d_model, num_layers=config.num_layers,
+                          num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, ffn_dim=config.ffn_dim,
+                          seq_len=config.seq_len)
+    if config.num_stages > model.num_layers:
+        raise ValueError(f"--num-stages must be between 1 and the model's {model.num_layers} layers, or 0 to choose")
+    spec = RunSpec(
+        run_id=config.run_id, model=model, stage_layers=even_stage_layers(model.num_layers, config.num_stages or 1),
         lr=config.lr, weight_decay=config.weight_decay, microbatch_size=config.microbatch_size,
         target_batch_size=config.target_batch_size, pipeline_schedule=config.pipeline_schedule,
         replica_sync=config.replica_sync,
         averaging_period=config.averaging_period,
         dataset=dataset, seed=config.seed,
     )
+    if config.num_stages == 0:
+        num_stages, _ = stages_to_fit(spec, config.stage_memory_gb * 2**30)
+        spec = dataclasses.replace(spec, stage_layers=even_stage_layers(model.num_layers, num_stages))
+    return spec
+
+
+def stages_to_fit(spec: RunSpec, memory_bytes: float, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> tuple[int, int]:
+    """The fewest even stages of ``spec``'s model whose every stage needs at most ``memory_bytes`` to
+    train (``peer.profiler.stage_memory_bytes``), and the most one of them needs. ``ValueError`` if
+    even one layer per stage needs more."""
+    layers = spec.model.num_layers
+    for num_stages in range(1, layers + 1):
+        cut = dataclasses.replace(spec, stage_layers=even_stage_layers(layers, num_stages))
+        need = max(stage_memory_bytes(cut, k, max_in_flight=max_in_flight) for k in range(num_stages))
+        if need <= memory_bytes:
+            return num_stages, need
+    raise ValueError(f"even one layer per stage needs {need / 2**30:.1f} GiB, more than --stage-memory-gb "
+                     f"{memory_bytes / 2**30:g}: raise it, or lower --microbatch-size")
 
 
 class BootstrapNode:
@@ -40,6 +68,10 @@ class BootstrapNode:
     def __init__(self, config: BootstrapConfig) -> None:
         self.config = config
         self.spec = build_run_spec(config)
+        if config.num_stages == 0:
+            _, need = stages_to_fit(self.spec, config.stage_memory_gb * 2**30)
+            logger.info(f"{self.spec.num_stages} stages, so that training one needs at most {need / 2**30:.1f} GiB "
+                        f"(--stage-memory-gb {config.stage_memory_gb:g}; --num-stages sets it)")
         self.dht = None
         self.validator = None
         self.owner = ""  # owner_fingerprint of the record key the spec is signed with, once started

@@ -29,7 +29,8 @@ from dht.records import RunSpec
 from replication.layout import StateLayout
 from swarm.stage_state import state_template
 
-__all__ = ["CheckpointError", "WriteProgress", "checkpoint_path", "load_checkpoint", "save_checkpoint", "spec_digest"]
+__all__ = ["CheckpointError", "WriteProgress", "checkpoint_path", "checkpoint_spec", "load_checkpoint", "save_checkpoint",
+           "spec_digest"]
 
 FORMAT = "murmuration-stage-checkpoint/1"
 WRITE_CHUNK_BYTES = 4 * 2**20
@@ -102,7 +103,8 @@ def save_checkpoint(path: Path, state: dict[str, torch.Tensor], *, spec: RunSpec
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": FORMAT, "run_id": spec.run_id, "stage": str(stage), "version": str(version),
                 "spec_digest": spec_digest(spec), "layout_version": str(spec.layout_version),
-                "stage_layers": json.dumps([list(r) for r in spec.stage_layers])}
+                "stage_layers": json.dumps([list(r) for r in spec.stage_layers]),
+                "spec": json.dumps(spec.to_wire(), sort_keys=True)}  # what peer.export needs to name the model
     header, tensors = _safetensors_header(state, metadata)
     progress = progress or WriteProgress()
     progress.total_bytes = len(header) + sum(t.numel() * t.element_size() for t in tensors)
@@ -225,6 +227,30 @@ def load_checkpoint(path: Path, *, spec: RunSpec, stage: int) -> tuple[int, dict
     except (OSError, ValueError, SafetensorError) as e:
         raise _unreadable(path, e) from e
     return version, state
+
+
+def checkpoint_spec(path: Path) -> RunSpec:
+    """The run spec the checkpoint at ``path`` was written under (its header's; nothing else is read).
+
+    Raises:
+        FileNotFoundError: there is none.
+        CheckpointError: it is unreadable, of something else, or older than checkpoints that carry their spec.
+    """
+    try:
+        metadata = _metadata_of(_read_header(path))
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise _unreadable(path, e) from e
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a Murmuration stage checkpoint")
+    if "spec" not in metadata:
+        raise CheckpointError(f"{path} was written before checkpoints carried their run spec; let the swarm "
+                              "write a new one (--checkpoint-period) and export that")
+    try:
+        return RunSpec.from_wire(json.loads(metadata["spec"]))
+    except ValueError as e:
+        raise CheckpointError(f"{path} carries an unusable run spec: {e}") from e
 
 
 def _unreadable(path: Path, error: Exception) -> CheckpointError:

@@ -135,6 +135,11 @@ class PeerConfig:
         return self.role
 
 
+# the bootstrap's model flags and their defaults: a --preset replaces them all
+BOOTSTRAP_MODEL_DEFAULTS = {"model_family": "gpt", "d_model": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 0,
+                            "ffn_dim": 0, "seq_len": 64}
+
+
 @dataclass(frozen=True, kw_only=True)
 class BootstrapConfig:
     """Bootstrap node: start a swarm, publish the run spec (signed), and serve until stopped."""
@@ -145,11 +150,16 @@ class BootstrapConfig:
     initial_peers: tuple[str, ...] = field(default=(), metadata=_help("other bootstrap nodes of the same swarm to connect to"))
     maddrs_file: str | None = field(default=None, metadata=_help("also write the multiaddrs to this file, one per line"))
     run_id: str = field(default="demo", metadata=_help("name of the run to publish"))
+    preset: str = field(default="", metadata=_help("a named Llama-style model instead of the model flags: tiny (0.8 M parameters), small (24 M), medium (178 M), large (0.93 B); bytes as tokens"))
+    model_family: str = field(default="gpt", metadata=_help("gpt (GPT-2 style) or llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)"))
     d_model: int = field(default=128, metadata=_help("model width"))
     num_layers: int = field(default=4, metadata=_help("transformer blocks"))
     num_heads: int = field(default=4, metadata=_help("attention heads per block"))
+    num_kv_heads: int = field(default=0, metadata=_help("key/value heads per block (llama: grouped-query attention; 0: as many as --num-heads)"))
+    ffn_dim: int = field(default=0, metadata=_help("hidden width of each block's MLP (0: 4 x --d-model for gpt, 8/3 x --d-model rounded up to 32 for llama)"))
     seq_len: int = field(default=64, metadata=_help("tokens per sequence"))
-    num_stages: int = field(default=2, metadata=_help("pipeline stages; blocks are split evenly"))
+    num_stages: int = field(default=2, metadata=_help("pipeline stages; blocks are split evenly (0: as few as let every stage fit --stage-memory-gb)"))
+    stage_memory_gb: float = field(default=8.0, metadata=_help("with --num-stages 0: the memory a peer should need to train one stage (weights, AdamW moments, activations, overhead)"))
     lr: float = field(default=3e-3, metadata=_help("AdamW learning rate"))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     microbatch_size: int = field(default=16, metadata=_help("sequences per microbatch"))
@@ -171,6 +181,11 @@ class BootstrapConfig:
             raise ValueError("--spec-refresh-period must be a positive number")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("--log-level must be DEBUG, INFO, WARNING or ERROR")
-        if not 1 <= self.num_stages <= self.num_layers:
-            raise ValueError(f"--num-stages must be between 1 and --num-layers ({self.num_layers})")
+        if self.preset and any(getattr(self, name) != BOOTSTRAP_MODEL_DEFAULTS[name] for name in BOOTSTRAP_MODEL_DEFAULTS):
+            raise ValueError("give either --preset or the model flags (--model-family, --d-model, --num-layers, "
+                             "--num-heads, --num-kv-heads, --ffn-dim, --seq-len), not both")
+        if self.num_stages < 0 or (not self.preset and self.num_stages > self.num_layers):
+            raise ValueError(f"--num-stages must be between 1 and the model's layers, or 0 to choose")
+        if not (math.isfinite(self.stage_memory_gb) and self.stage_memory_gb > 0):
+            raise ValueError("--stage-memory-gb must be a positive number")
         check_step_semantics(self.pipeline_schedule, self.replica_sync, flags=True)

@@ -21,7 +21,7 @@ import torch
 
 from dht.records import ModelSpec, RunSpec
 from peer.errors import UserError
-from swarm.model import Block, layer_num_params
+from swarm.model import block_matmul_params, layer_num_params, new_block
 
 MIB = 2**20
 
@@ -37,11 +37,11 @@ def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 5,
     """FLOP/s of forward+backward of one block of the run's model on ``device``: the median of at
     least ``num_trials`` trials, more until ``min_seconds`` have passed (at most ``MAX_TRIALS``)."""
     model: ModelSpec = spec.model
-    block = Block(model).to(device)
+    block = new_block(model).to(device)
     x = torch.randn(spec.microbatch_size, model.seq_len, model.d_model, device=device, requires_grad=True)
     d, seq_len = model.d_model, model.seq_len
     # the block term of stage_flops_per_sample: 6 FLOPs per weight per token plus attention
-    flops = (6 * 12 * d * d + 12 * seq_len * d) * seq_len * spec.microbatch_size
+    flops = (6 * block_matmul_params(model) + 12 * seq_len * d) * seq_len * spec.microbatch_size
     times: list[float] = []
     trial = 0
     while trial <= num_trials or (sum(times) < min_seconds and trial <= MAX_TRIALS):

@@ -201,7 +201,8 @@ class StageSession:
             await self.gradient_sync.start()
         self.replication = ReplicationServer(ctx.p2p, run_id=spec.namespace, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout,
-                                             backup_fn=ctx.keeper.backup_fn, on_served=self._served)
+                                             backup_fn=ctx.keeper.backup_fn,
+                                             on_served=self._served)
         if "corrupt_shards" in ctx.faults:
             inject_corrupt_shards(self.replication)
         await self.replication.start()
@@ -216,8 +217,11 @@ class StageSession:
         ctx.view.on_change = events.on_view_change
         ctx.view.vouch = self.detector.vouches_for  # a neighbour that answers keeps its place if its record lapses
         self.averager = StageAverager(stage, ctx.dht, ctx.view, client_mode=ctx.role == "unreliable" or config.client_mode,
-                                      aggregation=config.aggregation, on_round=self._on_round, on_outliers=self._on_outliers,
-                                      on_discard=self._on_discard, reputation=ctx.reputation)
+                                      aggregation=config.aggregation, on_round=self._on_round, reputation=ctx.reputation,
+                                      # a round's reduce refused (NaN/Inf) or out-voted parts (swarm/robust_allreduce.py)
+                                      on_outliers=lambda report: self._on_stage_event("averaging_outliers", **report),
+                                      on_discard=lambda at, size, members: self._on_stage_event(
+                                          "averaging_dropped", at=at, group_size=size, num_members=members))
         self.averager.loaded_from(stage.loaded_from, dht_time())
         stage.loaded_from = ()  # once: a later session of this replica shares its state with nobody yet
         if stage.is_first:
@@ -455,9 +459,8 @@ class StageSession:
 
     async def _serving_snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """What this peer serves to joiners: the state of its last averaging round, which every replica
-        of the stage holds bit-identical (so several donors serve one manifest); before any round, or
-        alone in its stage (no round refreshes the snapshot then; its backup keeper must not copy a
-        stale one), its current state."""
+        holds bit-identical (several donors serve one manifest); before any round, or alone (no round
+        refreshes the snapshot; its backup keeper must not copy a stale one), its current state."""
         alone = not [r for r in self.ctx.view.members(self.stage.index) if r.peer_id != self.ctx.peer_id]
         if self.stage.snapshot is not None and not alone:
             version, state = self.stage.snapshot
@@ -495,10 +498,3 @@ class StageSession:
         self.host.averaged(at, digest)
         self.ctx.metrics.write("averaged", stage=self.stage.index, at=at, group_size=group_size, digest=digest)
 
-    def _on_discard(self, at: float, group_size: int, num_members: int) -> None:
-        self.ctx.metrics.write("averaging_dropped", stage=self.stage.index, at=at, group_size=group_size,
-                               num_members=num_members)
-
-    def _on_outliers(self, report: dict) -> None:
-        """A round's reduce refused (NaN/Inf) or out-voted parts of some replicas (swarm/robust_allreduce.py)."""
-        self.ctx.metrics.write("averaging_outliers", stage=self.stage.index, **report)

@@ -224,15 +224,7 @@ class StageAverager:
                 self.on_discard(at, len(group), num_members)
                 return False
             if reason := await self.stage.run(self._implausible_result, partner):
-                if partner and self.reputation is not None:  # in a pair, the push can only be the partner's
-                    # the seed bound holds for any honest state: beyond it is proof; beyond the pair
-                    # bound is a partner that moved more than it could since (two such rounds ban it)
-                    weight = self.reputation.max_strikes if reason.startswith("seed") else max(1, self.reputation.max_strikes // 2)
-                    self.reputation.strike(partner, f"its averaging round gave an implausible state: {reason}", weight=weight)
-                self.num_discarded_rounds += 1
-                logger.warning(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, "
-                               f"which no honest replica could have sent ({reason}; swarm/plausibility.py)")
-                self.on_discard(at, len(group), num_members)
+                self._drop_implausible(at, len(group), num_members, partner, reason)
                 return False
             digest = await self.stage.run(self._copy_out, at)
             self.anchors.averaged(members, await self.stage.run(self._own_steps))
@@ -245,6 +237,20 @@ class StageAverager:
         logger.info(f"averaged stage {self.stage.index} with {len(group)} replicas (round at {at:.0f}, params {digest})")
         self.on_round(at, len(group), digest)
         return True
+
+    def _drop_implausible(self, at: float, group_size: int, num_members: int, partner: str, reason: str) -> None:
+        """Drop a round whose result no honest replica could have sent; in a pair the push can only be
+        the partner's: beyond the seed bound (which holds for any honest state) it is banned, beyond
+        the pair bound (it moved more than it could since their common state) struck, two such rounds
+        banning it."""
+        if partner and self.reputation is not None:
+            strikes = self.reputation.max_strikes
+            weight = strikes if reason.startswith("seed") else max(1, strikes // 2)
+            self.reputation.strike(partner, f"its averaging round gave an implausible state: {reason}", weight=weight)
+        self.num_discarded_rounds += 1
+        logger.warning(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, "
+                       f"which no honest replica could have sent ({reason}; swarm/plausibility.py)")
+        self.on_discard(at, group_size, num_members)
 
     def shutdown(self) -> None:
         self.averager.shutdown()

@@ -1,8 +1,12 @@
-"""A GPT-style decoder, built one pipeline stage at a time.
+"""A decoder-only transformer of either family, built one pipeline stage at a time.
+
+Two families (``ModelSpec.family``): ``gpt``, GPT-2 style (LayerNorm, learned positions, GELU MLP,
+biases), and ``llama``, Llama style (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
+no biases; its block's names are those of Hugging Face's ``LlamaDecoderLayer``).
 
 The model code is single-device (nanoGPT shape); pipelining is applied on top by giving each stage
-its own slice of blocks. Stage 0 holds the token and position embeddings, the last stage the final
-LayerNorm and the output head (untied, so that stages share no parameters).
+its own slice of blocks. Stage 0 holds the token embedding (and, for gpt, the position embedding),
+the last stage the final norm and the output head (untied, so that stages share no parameters).
 
 Initialisation is deterministic per layer: block ``i`` is initialised from a generator seeded with
 ``(run seed, i)``, so the first peer of a stage builds exactly the weights every other peer would
@@ -21,10 +25,14 @@ from dht.records import ModelSpec, RunSpec
 
 EMBEDDING_SEED_OFFSET = 1_000_003
 HEAD_SEED_OFFSET = 2_000_003
+RMS_EPS = 1e-5  # the llama family's RMSNorm epsilon (Llama 2/3's)
+ROPE_THETA = 10000.0  # the llama family's rotary base
+# the residual projections, initialised with GPT-2's 1/sqrt(2 * layers) scaling, by family
+RESIDUAL_PROJECTIONS = {"gpt": ("proj", "fc_proj"), "llama": ("o_proj", "down_proj")}
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention then a 4x MLP."""
+    """Pre-norm GPT-2 block: causal self-attention then a GELU MLP (4 × d_model wide by default)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -33,8 +41,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model)
         self.proj = nn.Linear(spec.d_model, spec.d_model)
         self.ln_2 = nn.LayerNorm(spec.d_model)
-        self.fc = nn.Linear(spec.d_model, 4 * spec.d_model)
-        self.fc_proj = nn.Linear(4 * spec.d_model, spec.d_model)
+        self.fc = nn.Linear(spec.d_model, spec.ffn_width)
+        self.fc_proj = nn.Linear(spec.ffn_width, spec.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -43,6 +51,63 @@ class Block(nn.Module):
         attended = F.scaled_dot_product_attention(*heads, is_causal=True)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, width))
         return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm Llama block: RMSNorm, causal self-attention with rotary positions and grouped-query
+    heads, RMSNorm, SwiGLU MLP; no biases."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        width, head_dim = spec.d_model, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.kv_heads, head_dim
+        self.input_layernorm = nn.RMSNorm(width, eps=RMS_EPS)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(width, spec.num_heads * head_dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(width, spec.kv_heads * head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(width, spec.kv_heads * head_dim, bias=False)
+        self.self_attn.o_proj = nn.Linear(spec.num_heads * head_dim, width, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(width, eps=RMS_EPS)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(width, spec.ffn_width, bias=False)
+        self.mlp.up_proj = nn.Linear(width, spec.ffn_width, bias=False)
+        self.mlp.down_proj = nn.Linear(spec.ffn_width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        attn, h = self.self_attn, self.input_layernorm(x)
+        q = attn.q_proj(h).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_tables(seq, self.head_dim, device=x.device, dtype=q.dtype)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.num_kv_heads != self.num_heads:  # each key/value head serves a group of query heads
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + attn.o_proj(attended.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        mlp, h = self.mlp, self.post_attention_layernorm(x)
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+
+def new_block(model: ModelSpec) -> nn.Module:
+    """One block of the model's family (weights uninitialised: ``StageModel`` seeds them)."""
+    return LlamaBlock(model) if model.family == "llama" else Block(model)
+
+
+def rotary_tables(seq_len: int, head_dim: int, *, device: torch.device, dtype: torch.dtype,
+                  theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin of rotary positions, ``(seq_len, head_dim)`` each, in the half-split layout
+    Hugging Face's Llama uses (frequency ``i`` on dimensions ``i`` and ``i + head_dim / 2``)."""
+    inverse = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inverse)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class StageModel(nn.Module):
@@ -60,26 +125,32 @@ class StageModel(nn.Module):
         self.stage = stage
         self.is_first = stage == 0
         self.is_last = stage == spec.num_stages - 1
+        llama = model.family == "llama"
+        residual = RESIDUAL_PROJECTIONS[model.family]
         start, end = spec.stage_layers[stage]
         if self.is_first:
             self.tok_emb = nn.Embedding(model.vocab_size, model.d_model)
-            self.pos_emb = nn.Embedding(model.seq_len, model.d_model)
-            _init_from_seed(spec.seed + EMBEDDING_SEED_OFFSET, [self.tok_emb, self.pos_emb])
+            embeddings = [self.tok_emb]
+            if not llama:  # llama's positions are rotary, inside each block
+                self.pos_emb = nn.Embedding(model.seq_len, model.d_model)
+                embeddings.append(self.pos_emb)
+            _init_from_seed(spec.seed + EMBEDDING_SEED_OFFSET, embeddings, residual=residual)
         self.blocks = nn.ModuleList()
         for index in range(start, end):
-            block = Block(model)
-            _init_from_seed(spec.seed * 7919 + index, [block], num_layers=model.num_layers)
+            block = new_block(model)
+            _init_from_seed(spec.seed * 7919 + index, [block], num_layers=model.num_layers, residual=residual)
             self.blocks.append(block)
         if self.is_last:
-            self.ln_f = nn.LayerNorm(model.d_model)
+            self.ln_f = nn.RMSNorm(model.d_model, eps=RMS_EPS) if llama else nn.LayerNorm(model.d_model)
             self.head = nn.Linear(model.d_model, model.vocab_size, bias=False)
-            _init_from_seed(spec.seed + HEAD_SEED_OFFSET, [self.ln_f, self.head])
+            _init_from_seed(spec.seed + HEAD_SEED_OFFSET, [self.ln_f, self.head], residual=residual)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         x = inputs
         if self.is_first:
-            positions = torch.arange(inputs.shape[1], device=inputs.device)
-            x = self.tok_emb(inputs) + self.pos_emb(positions)
+            x = self.tok_emb(inputs)
+            if hasattr(self, "pos_emb"):
+                x = x + self.pos_emb(torch.arange(inputs.shape[1], device=inputs.device))
         for block in self.blocks:
             x = block(x)
         if self.is_last:
@@ -108,7 +179,7 @@ def layer_flops_per_sample(spec: RunSpec) -> tuple[float, ...]:
     block (the per-layer profile the planner re-splits layers by; a stage's cost is its blocks' sum).
     The cost model is :func:`stage_flops_per_sample`'s."""
     model = spec.model
-    block_params = 12 * model.d_model * model.d_model
+    block_params = block_matmul_params(model)
     per_block = float((6 * block_params + 12 * model.seq_len * model.d_model) * model.seq_len)
     flops = [per_block] * model.num_layers
     flops[-1] += float(6 * model.d_model * model.vocab_size * model.seq_len)
@@ -126,20 +197,36 @@ def layer_num_params(spec: RunSpec) -> tuple[int, ...]:
     LayerNorm and head with the last (they always share those blocks' stages)."""
     model = spec.model
     d = model.d_model
-    block = 12 * d * d + 13 * d  # qkv, proj, fc, fc_proj weights and biases; two LayerNorms
+    if model.family == "llama":  # the matrices, no biases; two RMSNorm weights
+        block = block_matmul_params(model) + 2 * d
+        params = [block] * model.num_layers
+        params[0] += model.vocab_size * d
+        params[-1] += d + d * model.vocab_size
+        return tuple(params)
+    block = block_matmul_params(model) + 9 * d + model.ffn_width  # + biases (3d, d, ffn, d) and two LayerNorms (4d)
     params = [block] * model.num_layers
     params[0] += (model.vocab_size + model.seq_len) * d
     params[-1] += 2 * d + d * model.vocab_size
     return tuple(params)
 
 
-def _init_from_seed(seed: int, modules: list[nn.Module], *, num_layers: int = 1) -> None:
+def block_matmul_params(model: ModelSpec) -> int:
+    """Weights of one block's matrices (what its matmuls cost): attention and MLP."""
+    d, ffn = model.d_model, model.ffn_width
+    if model.family == "llama":
+        kv = model.kv_heads * model.head_dim
+        return 2 * d * d + 2 * d * kv + 3 * d * ffn  # q and o; k and v; gate, up and down
+    return 4 * d * d + 2 * d * ffn  # qkv and proj; fc and fc_proj
+
+
+def _init_from_seed(seed: int, modules: list[nn.Module], *, num_layers: int = 1,
+                    residual: tuple[str, ...] = RESIDUAL_PROJECTIONS["gpt"]) -> None:
     generator = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * num_layers)  # GPT-2: scale the residual projections
     for module in modules:
         for name, sub in module.named_modules():
             if isinstance(sub, nn.Linear):
-                std = residual_std if name.endswith("proj") else 0.02
+                std = residual_std if name.rsplit(".", 1)[-1] in residual else 0.02
                 with torch.no_grad():
                     sub.weight.copy_(torch.randn(sub.weight.shape, generator=generator) * std)
                     if sub.bias is not None:

@@ -70,9 +70,7 @@ class Stage:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
         self._init_optimizer_state()
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # state frozen at the last averaging round
-        # the peers whose served state this replica loaded (it was theirs too then): the averager's
-        # first pair anchors and known co-replicas (swarm/averaging.py); () when it came from elsewhere
-        self.loaded_from: tuple[str, ...] = ()
+        self.loaded_from: tuple[str, ...] = ()  # peers whose state it loaded: StageAverager.loaded_from
         self.snapshot_tag = ""  # the weights' tag of that snapshot (see weights_tag)
         self.counters = StageCounters()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
