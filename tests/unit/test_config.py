@@ -154,7 +154,9 @@ BAD_BOOTSTRAP = {
     "bad run id": dict(run_id="a/b"),
     "zero refresh": dict(spec_refresh_period=0.0),
     "negative refresh": dict(spec_refresh_period=-1.0),
-    "zero stages": dict(num_stages=0),
+    "negative stages": dict(num_stages=-1),
+    "no stage memory": dict(num_stages=0, stage_memory_gb=0.0),
+    "a preset beside a model flag": dict(preset="tiny", num_layers=8),
     "more stages than layers": dict(num_layers=4, num_stages=5),
 }
 
