@@ -30,4 +30,5 @@ def test_a_llama_run_trains_across_two_stages_and_its_loss_falls(local_swarm):
     assert "run spec: run demo: Llama d_model=128 layers=4 heads=4/2 kv" in log, log[:2000]
     seen = losses()
     first, final = statistics.mean(seen[:LOSS_WINDOW]), statistics.mean(seen[-LOSS_WINDOW:])
+    print(f"llama 1 + 1: loss {first:.3f} -> {final:.3f} over {len(seen)} microbatches")
     assert final < first - 0.5, f"loss {first:.3f} -> {final:.3f}"
