@@ -165,6 +165,21 @@ def test_a_pair_partner_that_pushed_since_their_last_common_state_is_dropped_and
             averager.shutdown()
 
 
+async def announce_all(nodes, view: SwarmView) -> None:
+    """Every node's stage-1 record in the DHT, and ``view`` reading all three."""
+    for dht, validator in nodes:
+        record = PeerRecord(peer_id=dht.peer_id.to_base58(), role="reliable", state="training", stage=1,
+                            flops=1e9, announced_at=get_dht_time())
+        assert await declare_peer(dht, validator, SPEC.run_id, record, ttl=60)
+    assert len((await view.refresh())) == 3
+
+
+async def pair_round(pair: list[StageAverager]) -> list[bool]:
+    """One round of ``pair``, each counting the stage's replicas itself."""
+    at, stop = dht_time() + 3.0, asyncio.Event()
+    return await asyncio.gather(*(a.run_round(at, stop) for a in pair))
+
+
 @pytest.mark.parametrize("dht_nodes", [4], indirect=True)
 def test_a_pair_with_a_newcomer_is_dropped_by_the_replica_that_averaged_with_a_third(dht_nodes):
     # CI: a replica that had averaged with the other honest one formed a pair with a Byzantine newcomer
@@ -179,25 +194,14 @@ def test_a_pair_with_a_newcomer_is_dropped_by_the_replica_that_averaged_with_a_t
     dropped = []
     averagers[0].on_discard = lambda at, size, members: dropped.append((size, members))
 
-    async def announce_all() -> None:
-        for dht, validator in nodes:
-            record = PeerRecord(peer_id=dht.peer_id.to_base58(), role="reliable", state="training", stage=1,
-                                flops=1e9, announced_at=get_dht_time())
-            assert await declare_peer(dht, validator, SPEC.run_id, record, ttl=60)
-        assert len((await views[0].refresh())) == 3
-
-    async def one_round(pair: list[StageAverager]) -> list[bool]:
-        at, stop = dht_time() + 3.0, asyncio.Event()
-        return await asyncio.gather(*(a.run_round(at, stop) for a in pair))
-
     try:
-        asyncio.run(announce_all())
+        asyncio.run(announce_all(nodes, views[0]))
         # a and b: nobody else has averaged with a, so this pair is the stage as far as a knows
-        assert asyncio.run(one_round(averagers[:2])) == [True, True]
+        assert asyncio.run(pair_round(averagers[:2])) == [True, True]
         assert dropped == []
         before = flat(stages[0]).clone()
         # a and the newcomer: a averaged with b a period ago and b is still in the view, so it drops the pair
-        kept = asyncio.run(one_round([averagers[0], averagers[2]]))
+        kept = asyncio.run(pair_round([averagers[0], averagers[2]]))
         assert kept[0] is False and dropped == [(2, 3)], (kept, dropped)
         assert torch.equal(flat(stages[0]), before), "a dropped round changed the honest replica's state"
     finally:
@@ -221,23 +225,12 @@ def test_a_newcomer_drops_a_pair_with_anyone_but_the_holder_it_loaded_from(dht_n
     dropped = []
     averagers[2].on_discard = lambda at, size, members: dropped.append((size, members))
 
-    async def announce_all() -> None:
-        for dht, validator in nodes:
-            record = PeerRecord(peer_id=dht.peer_id.to_base58(), role="reliable", state="training", stage=1,
-                                flops=1e9, announced_at=get_dht_time())
-            assert await declare_peer(dht, validator, SPEC.run_id, record, ttl=60)
-        assert len((await views[2].refresh())) == 3
-
-    async def one_round(pair: list[StageAverager]) -> list[bool]:
-        at, stop = dht_time() + 3.0, asyncio.Event()
-        return await asyncio.gather(*(a.run_round(at, stop) for a in pair))
-
     try:
-        asyncio.run(announce_all())
+        asyncio.run(announce_all(nodes, views[2]))
         averagers[2].loaded_from([holder_id], dht_time())  # the newcomer loaded the holder's state
         assert averagers[2].anchors.anchor(holder_id) == STEPS
         before = flat(stages[2]).clone()
-        kept = asyncio.run(one_round([averagers[1], averagers[2]]))  # a pair with the other replica
+        kept = asyncio.run(pair_round([averagers[1], averagers[2]]))  # a pair with the other replica
         assert kept[1] is False and dropped == [(2, 3)], (kept, dropped)
         assert torch.equal(flat(stages[2]), before), "a dropped round changed the newcomer's state"
     finally:
