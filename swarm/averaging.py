@@ -245,7 +245,7 @@ class StageAverager:
         banning it."""
         if partner and self.reputation is not None:
             strikes = self.reputation.max_strikes
-            weight = strikes if reason.startswith("seed") else max(1, strikes // 2)
+            weight = strikes if "seed bound:" in reason else max(1, strikes // 2)
             self.reputation.strike(partner, f"its averaging round gave an implausible state: {reason}", weight=weight)
         self.num_discarded_rounds += 1
         logger.warning(f"averaging round at {at:.0f} of stage {self.stage.index}: dropped its result, "
@@ -266,34 +266,35 @@ class StageAverager:
 
     def _implausible_result(self, partner: str = "") -> str:
         """Why the round's result cannot be an average of honest replicas' states (compute thread), or
-        "". Two checks: its parameters stand farther from the run seed's initialisation than this
-        replica's AdamW steps allow (any round: "seed ..."); and, in a pair with a partner whose state
-        came from this replica (:class:`PairAnchors`), the round moves this replica farther than its
-        own and the partner's steps since then allow ("pair ..."). A round of two gives each member
-        half the say, so this is what keeps an honest replica from taking half of a Byzantine one's
-        pushed state when no third can out-vote it."""
+        "". Two checks: in a pair with a partner whose state came from this replica
+        (:class:`PairAnchors`), the round moves this replica farther than its own and the partner's
+        steps since then allow ("pair bound: ...", the tighter one, named first); and its parameters
+        stand farther from the run seed's initialisation than this replica's AdamW steps allow (any
+        round: "seed bound: ..."). A round of two gives each member half the say, so this is what
+        keeps an honest replica from taking half of a Byzantine one's pushed state when no third can
+        out-vote it."""
         if self._initial is None:
             self._initial = initial_parameters(self.stage.spec, self.stage.index)
         spec, params = self.stage.spec, list(self.stage.model.named_parameters())
-        steps = self._own_steps()
+        steps, reasons = self._own_steps(), []
+        anchor = self.anchors.anchor(partner) if partner else None
         with self.averager.get_tensors() as tensors:
             result = {f"model.{name}": tensor for (name, _), tensor in zip(params, tensors)}
+            if anchor is not None:
+                result_steps = max((float(t) for t in tensors[-len(params):]), default=0.0)  # the averaged "step"s
+                partner_steps = partner_steps_since(anchor, steps, result_steps)
+                fraction, where = pair_shift(result, {f"model.{name}": p for name, p in params}, lr=spec.lr,
+                                             weight_decay=spec.weight_decay, own_steps=steps - anchor,
+                                             partner_steps=partner_steps)
+                if fraction > 1.0:
+                    reasons.append(f"pair bound: {where} would move {fraction:.0f}x farther than {steps - anchor:.0f} "
+                                   f"steps of this replica and {partner_steps:.0f} of its partner allow since the "
+                                   "state they last shared")
             fraction, where = drift(result, self._initial, lr=spec.lr, weight_decay=spec.weight_decay, steps=int(steps))
             if fraction > 1.0:
-                return (f"seed bound: {where} would stand {fraction:.0f}x farther from the run seed's initialisation "
-                        f"than {steps:.0f} steps allow")
-            anchor = self.anchors.anchor(partner) if partner else None
-            if anchor is None:
-                return ""
-            result_steps = max((float(t) for t in tensors[-len(params):]), default=0.0)  # the averaged "step"s
-            own = {f"model.{name}": p for name, p in params}
-            partner_steps = partner_steps_since(anchor, steps, result_steps)
-            fraction, where = pair_shift(result, own, lr=spec.lr, weight_decay=spec.weight_decay,
-                                         own_steps=steps - anchor, partner_steps=partner_steps)
-        if fraction <= 1.0:
-            return ""
-        return (f"pair bound: {where} would move {fraction:.0f}x farther than {steps - anchor:.0f} steps of this "
-                f"replica and {partner_steps:.0f} of its partner allow since the state they last shared")
+                reasons.append(f"seed bound: {where} would stand {fraction:.0f}x farther from the run seed's "
+                               f"initialisation than {steps:.0f} steps allow")
+        return "; ".join(reasons)
 
     def _copy_out(self, at: float) -> str:
         with self.averager.get_tensors() as tensors, torch.no_grad():
