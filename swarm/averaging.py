@@ -141,7 +141,7 @@ class StageAverager:
         with another newcomer, before any round with them, is dropped rather than kept as the stage's
         only pair (a Byzantine replica beside the donor would otherwise get half this replica's say)."""
         donors = [d for d in donors if d != self.peer_id]
-        self.anchors.averaged(donors, self._own_steps())
+        self.anchors.averaged(donors, self.stage.optimizer_steps)
         for donor in donors:
             self.last_seen[donor] = max(self.last_seen.get(donor, now), now)
 
@@ -227,7 +227,7 @@ class StageAverager:
                 self._drop_implausible(at, len(group), num_members, partner, reason)
                 return False
             digest = await self.stage.run(self._copy_out, at)
-            self.anchors.averaged(members, await self.stage.run(self._own_steps))
+            self.anchors.averaged(members, await self.stage.run(lambda: self.stage.optimizer_steps))
         if len(group) == 2 and self.aggregation != "mean" and not self._warned_pair:
             self._warned_pair = True
             logger.warning(f"stage {self.stage.index} averages in a pair: two replicas cannot out-vote each other, so "
@@ -260,10 +260,6 @@ class StageAverager:
             for tensor, live in zip(tensors, self.stage.averaged_tensors(), strict=True):
                 tensor.copy_(live.detach().cpu())
 
-    def _own_steps(self) -> float:
-        return max((float(self.stage.optimizer.state[p].get("step", 0.0)) for p in self.stage.model.parameters()),
-                   default=0.0)
-
     def _implausible_result(self, partner: str = "") -> str:
         """Why the round's result cannot be an average of honest replicas' states (compute thread), or
         "". Two checks: in a pair with a partner whose state came from this replica
@@ -276,7 +272,7 @@ class StageAverager:
         if self._initial is None:
             self._initial = initial_parameters(self.stage.spec, self.stage.index)
         spec, params = self.stage.spec, list(self.stage.model.named_parameters())
-        steps, reasons = self._own_steps(), []
+        steps, reasons = float(self.stage.optimizer_steps), []
         anchor = self.anchors.anchor(partner) if partner else None
         with self.averager.get_tensors() as tensors:
             result = {f"model.{name}": tensor for (name, _), tensor in zip(params, tensors)}

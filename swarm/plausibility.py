@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -65,22 +65,7 @@ def drift(state: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor]
     """The largest ``|θ − θ0|`` of ``state``'s parameters as a fraction of what ``steps`` + SLACK_STEPS
     AdamW steps allow (> 1: implausible; non-finite weights: inf), and the tensor where it is."""
     bound_steps, bound = max(steps, 0) + SLACK_STEPS, adamw_step_bound()
-    worst, where = 0.0, ""
-    for name, start in initial.items():
-        value = state.get(name)
-        if value is None or value.shape != start.shape:
-            continue  # the layout is checked elsewhere (replication/layout.py)
-        value = value.detach().to(torch.float64)
-        if value.numel() == 0:
-            continue
-        if not bool(torch.isfinite(value).all()):
-            return math.inf, name
-        per_step = lr * (bound + weight_decay * float(value.abs().max()))
-        moved = float((value - start.to(torch.float64)).abs().max())
-        fraction = moved / (per_step * bound_steps) if per_step > 0 else (math.inf if moved else 0.0)
-        if fraction > worst:
-            worst, where = fraction, name
-    return worst, where
+    return _largest_move(state, initial, lambda value, _start: lr * (bound + weight_decay * float(value.abs().max())) * bound_steps)
 
 
 def state_drift(state: Mapping[str, torch.Tensor], spec: RunSpec, stage: int) -> float:
@@ -111,18 +96,27 @@ def pair_shift(result: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tenso
     ``partner_steps`` since allows: the pair's mean is half their difference, and each moved at most
     ``lr · (R + wd · |θ|)`` per step (> 1: the partner pushed; non-finite: inf)."""
     steps = max(own_steps, 0.0) + max(partner_steps, 0.0) + 2 * SLACK_STEPS
-    bound, worst, where = adamw_step_bound(), 0.0, ""
-    for name, mine in own.items():
-        value = result.get(name)
-        if value is None or value.shape != mine.shape or value.numel() == 0:
+    bound = adamw_step_bound()
+    return _largest_move(result, own, lambda value, mine: lr * (bound + weight_decay * max(
+        float(value.abs().max()), float(mine.abs().max()))) * steps / 2)
+
+
+def _largest_move(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
+                  allowed: Callable[[torch.Tensor, torch.Tensor], float]) -> tuple[float, str]:
+    """The largest ``max |state − reference|`` over ``allowed(state tensor, reference tensor)`` (both
+    float64) among the tensors both name with one shape, and the tensor where it is; a non-finite
+    state tensor: inf. Tensors missing or reshaped are skipped: the layout is checked elsewhere
+    (replication/layout.py)."""
+    worst, where = 0.0, ""
+    for name, start in reference.items():
+        value = state.get(name)
+        if value is None or value.shape != start.shape or value.numel() == 0:
             continue
-        value, mine = value.detach().to("cpu", torch.float64), mine.detach().to("cpu", torch.float64)
+        value, start = value.detach().to("cpu", torch.float64), start.detach().to("cpu", torch.float64)
         if not bool(torch.isfinite(value).all()):
             return math.inf, name
-        per_step = lr * (bound + weight_decay * max(float(value.abs().max()), float(mine.abs().max())))
-        moved = float((value - mine).abs().max())
-        allowed = per_step * steps / 2
-        fraction = moved / allowed if allowed > 0 else (math.inf if moved else 0.0)
+        limit, moved = allowed(value, start), float((value - start).abs().max())
+        fraction = moved / limit if limit > 0 else (math.inf if moved else 0.0)
         if fraction > worst:
             worst, where = fraction, name
     return worst, where

@@ -375,9 +375,9 @@ class Stage:
 
     @property
     def optimizer_steps(self) -> int:
-        """AdamW steps this replica's state has taken (its optimizer's own count)."""
+        """AdamW steps this replica's state has taken (its optimizer's own count; 0 before the first)."""
         first = next(iter(self.model.parameters()))
-        return int(self.optimizer.state[first]["step"])
+        return int(self.optimizer.state[first].get("step", 0))
 
     def flat_state(self) -> torch.Tensor:
         """Parameters, AdamW moments and step counts as one flat vector (compute thread)."""
