@@ -234,7 +234,7 @@ def train_single(*, max_samples: int, eval_every: int, eval_sequences: int, seed
     spec = RunSpec(run_id="bench", stage_layers=((0, 4),))
     model = StageModel(spec, 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    sampler = TokenSampler(load_corpus(spec.dataset), seq_len=spec.model.seq_len, seed=seed)
+    sampler = TokenSampler(load_corpus(spec.dataset).text(), seq_len=spec.model.seq_len, seed=seed)
     heldout = sampler.heldout_batches(eval_sequences, spec.microbatch_size)
     per_step = spec.target_batch_size // spec.microbatch_size
     microbatches: list[dict[str, Any]] = []
@@ -242,7 +242,8 @@ def train_single(*, max_samples: int, eval_every: int, eval_sequences: int, seed
     started, samples, next_eval, optimizer_steps = time.monotonic(), 0, eval_every, 0
     while samples < max_samples:
         for slot in range(per_step):  # the batch's positions, drawn as the swarm's stage-0 replicas draw them
-            inputs, targets = sampler.sample_slot(spec.microbatch_size, seed=seed, batch=optimizer_steps, slot=slot)
+            inputs, targets = sampler.sample_slot(spec.microbatch_size, seed=seed, batch=optimizer_steps, slot=slot,
+                                                  slots=per_step)
             loss = next_token_loss(model(inputs), targets)
             (loss / per_step).backward()
             samples += spec.microbatch_size

@@ -51,7 +51,7 @@ def single_tokens_per_s(seconds: float, num_threads: int) -> float:
     spec = RunSpec(run_id="bench", stage_layers=((0, 4),))
     model = StageModel(spec, 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    sampler = TokenSampler(load_corpus(spec.dataset), seq_len=spec.model.seq_len, seed=0)
+    sampler = TokenSampler(load_corpus(spec.dataset).text(), seq_len=spec.model.seq_len, seed=0)
     per_step = spec.target_batch_size // spec.microbatch_size
     tokens, started, counting_since = 0, time.monotonic(), None
     while True:

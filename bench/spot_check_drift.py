@@ -47,7 +47,7 @@ async def train_step(first: Stage, last: Stage, sampler: TokenSampler, tag: str)
 
 
 async def measure(num_steps: int) -> dict:
-    corpus = load_corpus(SPEC.dataset)
+    corpus = load_corpus(SPEC.dataset).text()
     cpu = torch.device("cpu")
     replicas = [(Stage(SPEC, 0, device=cpu), Stage(SPEC, 1, device=cpu)) for _ in range(2)]
     samplers = [TokenSampler(corpus, seq_len=SPEC.model.seq_len, seed=seed) for seed in (1, 2)]

@@ -50,6 +50,7 @@ MODEL_FAMILIES = ("gpt", "llama")
 # ModelSpec fields newer than the GPT family, left off the wire at these values: a GPT run's spec (and
 # its checkpoints' spec digest, peer/checkpoint.py) reads as before they existed
 MODEL_WIRE_DEFAULTS = {"family": "gpt", "num_kv_heads": 0, "ffn_dim": 0}
+TOKENIZER_PATTERN = r"bytes|bpe:[0-9a-f]{64}"  # a run spec's tokenizer (swarm.tokenizer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +165,9 @@ class RunSpec:
         averaging_period: seconds between in-stage averaging rounds.
         dataset: ``"builtin:pydoc"`` (Python's own documentation, shipped with every CPython) or
             ``"files:<sha256>"`` for the user's own text files, identified by their content hash.
+        tokenizer: ``"bytes"`` (every byte a token; the default) or ``"bpe:<sha256>"``, a BPE
+            ``tokenizer.json`` named by its hash (``swarm.tokenizer``): peers obtain the file from
+            the swarm and refuse any other. Left out of the wire form when it is bytes.
         seed: the seed of deterministic initialisation and of data order.
         protocol_version: bumped when the wire protocol changes incompatibly.
         layout_version: 0 in the published spec. A peer that trains under a layout re-planned after a
@@ -184,6 +188,7 @@ class RunSpec:
     replica_sync: str = "gradients"
     averaging_period: float = 15.0
     dataset: str = "builtin:pydoc"
+    tokenizer: str = "bytes"
     seed: int = 0
     protocol_version: int = PROTOCOL_VERSION
     layout_version: int = 0
@@ -205,6 +210,8 @@ class RunSpec:
             raise ValueError("need 1 <= microbatch_size <= target_batch_size")
         if not isinstance(self.dataset, str) or not re.fullmatch(r"builtin:pydoc|files:[0-9a-f]{64}", self.dataset):
             raise ValueError(f"dataset must be 'builtin:pydoc' or 'files:<sha256>', got {self.dataset!r}")
+        if not isinstance(self.tokenizer, str) or not re.fullmatch(TOKENIZER_PATTERN, self.tokenizer):
+            raise ValueError(f"tokenizer must be 'bytes' or 'bpe:<sha256>', got {self.tokenizer!r}")
 
     @property
     def num_stages(self) -> int:
@@ -227,6 +234,8 @@ class RunSpec:
         for key, default in MODEL_WIRE_DEFAULTS.items():
             if wire["model"][key] == default:
                 del wire["model"][key]
+        if wire["tokenizer"] == "bytes":  # the first round's wire form, and its spec hashes
+            del wire["tokenizer"]
         return wire
 
     @classmethod
@@ -255,7 +264,8 @@ class RunSpec:
             f"run {self.run_id}: {'Llama' if m.family == 'llama' else 'GPT'} d_model={m.d_model} "
             f"layers={m.num_layers} heads={m.num_heads}{f'/{m.kv_heads} kv' if m.kv_heads != m.num_heads else ''} "
             f"seq_len={m.seq_len}, {self.num_stages} stages {list(self.stage_layers)}, "
-            f"dataset {self.dataset}, seed {self.seed}"
+            f"dataset {self.dataset}, {'byte' if self.tokenizer == 'bytes' else 'BPE'} tokens "
+            f"(vocabulary {m.vocab_size}), seed {self.seed}"
         )
 
 

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 
 from dht.node import DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import ModelSpec, RunSpec, even_stage_layers
@@ -14,8 +15,10 @@ from peer.config import BootstrapConfig, PeerConfig
 from peer.profiler import stage_memory_bytes
 from peer.relayout import newest_layout_records
 from peer.status.service import StatusService, StatusSource
-from swarm.data import BUILTIN_PYDOC, files_dataset_id, load_corpus
+from replication.run_files import RunFileServer
+from swarm.data import BUILTIN_PYDOC, Corpus, DataError, files_dataset_id, load_corpus
 from swarm.presets import preset
+from swarm.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, read_tokenizer_file, train_bpe
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -24,14 +27,24 @@ DEFAULT_MAX_IN_FLIGHT = PeerConfig.__dataclass_fields__["max_in_flight"].default
 
 def build_run_spec(config: BootstrapConfig) -> RunSpec:
     """The run spec the bootstrap publishes; ``ValueError`` or ``DataError`` on bad settings."""
+    return prepare_run(config)[0]
+
+
+def prepare_run(config: BootstrapConfig) -> tuple[RunSpec, Tokenizer]:
+    """The run spec the bootstrap publishes and the tokenizer it names (trained on the corpus or
+    read from ``--tokenizer``); ``ValueError``, ``DataError`` or ``TokenizerError`` on bad settings."""
     dataset = files_dataset_id(config.data) if config.data else BUILTIN_PYDOC
-    load_corpus(dataset, config.data)  # fail here, not on every peer, if the files are unusable
+    corpus = load_corpus(dataset, config.data)  # fail here, not on every peer, if the files are unusable
+    tokenizer = run_tokenizer(config, corpus)
+    corpus.encode(tokenizer)  # token shards of another tokenizer: refused here, once
     if config.preset:
         model = preset(config.preset)
     else:
         model = ModelSpec(family=config.model_family, d_model=config.d_model, num_layers=config.num_layers,
                           num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, ffn_dim=config.ffn_dim,
                           seq_len=config.seq_len)
+    if tokenizer.id != "bytes":
+        model = dataclasses.replace(model, vocab_size=tokenizer.vocab_size)
     if config.num_stages > model.num_layers:
         raise ValueError(f"--num-stages must be between 1 and the model's {model.num_layers} layers, or 0 to choose")
     spec = RunSpec(
@@ -40,12 +53,28 @@ def build_run_spec(config: BootstrapConfig) -> RunSpec:
         target_batch_size=config.target_batch_size, pipeline_schedule=config.pipeline_schedule,
         replica_sync=config.replica_sync,
         averaging_period=config.averaging_period,
-        dataset=dataset, seed=config.seed,
+        dataset=dataset, tokenizer=tokenizer.id, seed=config.seed,
     )
     if config.num_stages == 0:
         num_stages, _ = stages_to_fit(spec, config.stage_memory_gb * 2**30)
         spec = dataclasses.replace(spec, stage_layers=even_stage_layers(model.num_layers, num_stages))
-    return spec
+    return spec, tokenizer
+
+
+def run_tokenizer(config: BootstrapConfig, corpus: Corpus) -> Tokenizer:
+    """``--tokenizer``: bytes, a BPE tokenizer trained on ``corpus`` (offline), or a tokenizer.json."""
+    if config.tokenizer == "bytes":
+        return ByteTokenizer()
+    if config.tokenizer != "bpe":
+        return BpeTokenizer(read_tokenizer_file(config.tokenizer))
+    if corpus.tokens is not None:
+        raise DataError("--tokenizer bpe trains on text, and these data are token shards: give the tokenizer.json "
+                        "they were prepared with (--tokenizer FILE)")
+    started = time.monotonic()
+    tokenizer = BpeTokenizer(train_bpe(corpus.documents, config.vocab_size))
+    logger.info(f"trained a BPE tokenizer of {tokenizer.vocab_size} tokens on the corpus in "
+                f"{time.monotonic() - started:.1f}s ({tokenizer.id[:16]}…)")
+    return tokenizer
 
 
 def stages_to_fit(spec: RunSpec, memory_bytes: float, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> tuple[int, int]:
@@ -67,7 +96,8 @@ class BootstrapNode:
 
     def __init__(self, config: BootstrapConfig) -> None:
         self.config = config
-        self.spec = build_run_spec(config)
+        self.spec, self.tokenizer = prepare_run(config)
+        self.file_server: RunFileServer | None = None  # serves the tokenizer.json, if the run has one
         if config.num_stages == 0:
             _, need = stages_to_fit(self.spec, config.stage_memory_gb * 2**30)
             logger.info(f"{self.spec.num_stages} stages, so that training one needs at most {need / 2**30:.1f} GiB "
@@ -95,6 +125,17 @@ class BootstrapNode:
         if not self.publishes:
             await stop.wait()  # a DHT entry point of another owner's run: it publishes nothing
             return
+        if isinstance(self.tokenizer, BpeTokenizer):
+            self.file_server = RunFileServer(await self.dht.replicate_p2p(), self.spec.run_id,
+                                             {self.tokenizer.id: self.tokenizer.blob})
+            await self.file_server.start()
+        try:
+            await self._publish(stop)
+        finally:
+            if self.file_server is not None:
+                await self.file_server.shutdown()
+
+    async def _publish(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 if not await declare_run_spec(self.dht, self.validator, self.spec):

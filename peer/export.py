@@ -6,9 +6,12 @@ Reads ``<dir>/<run_id>-stage<k>.safetensors`` for every stage (the files peers w
 ``--checkpoint-dir``; each carries the run spec it was written under, checked against the others and
 loaded with the same checks a resuming peer applies), and writes ``config.json`` and
 ``model.safetensors`` that ``transformers`` loads as ``LlamaForCausalLM`` (llama family) or
-``GPT2LMHeadModel`` (gpt family): ``AutoModelForCausalLM.from_pretrained("hf-demo")``. Tokens are
-bytes (vocabulary 256): ``list(text.encode())`` is the input, ``bytes(ids).decode(errors="replace")``
-the output. ``transformers`` is not needed to export, only to load the result.
+``GPT2LMHeadModel`` (gpt family): ``AutoModelForCausalLM.from_pretrained("hf-demo")``. A BPE run's
+tokenizer goes with it (``tokenizer.json`` and ``tokenizer_config.json``, which
+``AutoTokenizer.from_pretrained("hf-demo")`` loads): the one peers wrote beside their checkpoints, or
+``--tokenizer FILE``, either checked against the hash the run spec names. A byte-token run has no
+tokenizer file: ``list(text.encode())`` is the input, ``bytes(ids).decode(errors="replace")`` the
+output. ``transformers`` is not needed to export, only to load the result.
 
 A mistake (no checkpoint, a stage missing, checkpoints of different runs or layouts) ends in one
 sentence and exit status 2.
@@ -21,18 +24,49 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
+from dht.records import RunSpec
 from peer.checkpoint import CheckpointError, checkpoint_path, checkpoint_spec, load_checkpoint
 from peer.errors import UserError
+from peer.training_data import TOKENIZER_FILE
+from swarm.generation import SAMPLE_PROMPT, continue_text, stage_models
 from swarm.hf_export import hf_config, hf_state_dict
+from swarm.tokenizer import BYTES, END_OF_TEXT, BpeTokenizer, ByteTokenizer, TokenizerError, load_tokenizer, read_tokenizer_file
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
-def export_checkpoints(checkpoint_dir: Path, run_id: str, out_dir: Path) -> dict:
+def export_checkpoints(checkpoint_dir: Path, run_id: str, out_dir: Path, *, tokenizer_file: Path | None = None) -> dict:
     """Write the Hugging Face folder ``out_dir`` from the run's stage checkpoints in ``checkpoint_dir``;
     returns what was exported (family, parameters, each stage's step). ``UserError`` on a mistake."""
+    spec, parameters, steps = load_run_checkpoints(checkpoint_dir, run_id)
+    tensors = hf_state_dict(spec, parameters)
+    tokenizer = run_tokenizer(spec, tokenizer_file or checkpoint_dir / TOKENIZER_FILE)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / MODEL_FILE), metadata={"format": "pt"})
+    config = hf_config(spec)
+    if tokenizer is not None:
+        write_tokenizer(out_dir, tokenizer, spec)
+        config.update(bos_token_id=tokenizer.end_of_text, eos_token_id=tokenizer.end_of_text)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return {"family": spec.model.family, "parameters": sum(t.numel() for t in tensors.values()),
+            "stage_steps": steps, "out": str(out_dir)}
+
+
+def sample_checkpoints(checkpoint_dir: Path, run_id: str, *, tokenizer_file: Path | None = None,
+                       prompt: str = SAMPLE_PROMPT) -> str:
+    """A continuation of ``prompt`` by the model the run's stage checkpoints hold
+    (``swarm.generation``); ``UserError`` on a mistake, as for an export."""
+    spec, parameters, _ = load_run_checkpoints(checkpoint_dir, run_id)
+    tokenizer = run_tokenizer(spec, tokenizer_file or checkpoint_dir / TOKENIZER_FILE) or ByteTokenizer()
+    return continue_text(stage_models(spec, parameters), tokenizer, seq_len=spec.model.seq_len, prompt=prompt)
+
+
+def load_run_checkpoints(checkpoint_dir: Path, run_id: str) -> tuple[RunSpec, dict[int, dict[str, torch.Tensor]], dict[int, int]]:
+    """The run's spec, every stage's parameters (named as ``StageModel.state_dict()``) and step, from
+    its stage checkpoints, checked as a resuming peer checks them; ``UserError`` on a mistake."""
     first = checkpoint_path(checkpoint_dir, run_id, 0)
     try:
         spec = checkpoint_spec(first)
@@ -52,12 +86,27 @@ def export_checkpoints(checkpoint_dir: Path, run_id: str, out_dir: Path) -> dict
         except CheckpointError as e:
             raise UserError(f"{e}.") from None
         parameters[stage] = {name.removeprefix("model."): t for name, t in state.items() if name.startswith("model.")}
-    tensors = hf_state_dict(spec, parameters)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / MODEL_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(spec), indent=2, sort_keys=True) + "\n")
-    return {"family": spec.model.family, "parameters": sum(t.numel() for t in tensors.values()),
-            "stage_steps": steps, "out": str(out_dir)}
+    return spec, parameters, steps
+
+
+def run_tokenizer(spec: RunSpec, path: Path) -> BpeTokenizer | None:
+    """The BPE tokenizer the run names, read from ``path`` and checked (None for a byte-token run)."""
+    if spec.tokenizer == BYTES:
+        return None
+    try:
+        return load_tokenizer(spec.tokenizer, read_tokenizer_file(str(path)))
+    except TokenizerError as e:
+        raise UserError(f"{e}; peers write the run's tokenizer.json beside their checkpoints, or give it with "
+                        f"--tokenizer.") from None
+
+
+def write_tokenizer(out_dir: Path, tokenizer: BpeTokenizer, spec: RunSpec) -> None:
+    """``tokenizer.json`` as the run used it, and the ``tokenizer_config.json`` that makes
+    ``AutoTokenizer`` load it as a fast tokenizer with its end-of-text token."""
+    (out_dir / TOKENIZER_FILE).write_bytes(tokenizer.blob)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.model.seq_len,
+              "bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "unk_token": None, "clean_up_tokenization_spaces": False}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", required=True, help="the folder peers wrote stage checkpoints to")
     parser.add_argument("--run-id", default="demo", help="the run whose checkpoints to export")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write (created if missing)")
+    parser.add_argument("--tokenizer", help="a BPE run's tokenizer.json (default: the one in --checkpoint-dir)")
     args = parser.parse_args(argv)
     try:
-        result = export_checkpoints(Path(args.checkpoint_dir), args.run_id, Path(args.out))
+        result = export_checkpoints(Path(args.checkpoint_dir), args.run_id, Path(args.out),
+                                    tokenizer_file=Path(args.tokenizer) if args.tokenizer else None)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -51,9 +51,9 @@ from peer.status.local import SOFTWARE_VERSION, StatusHistory, local_status, sam
 from peer.status.protocol import StatusProtocol
 from peer.status.service import StatusSource, open_status
 from peer.status.snapshot import PeerSnapshot, PeerState, ServiceCounters, describe_activity
+from peer.training_data import TrainingData, load_run_corpus
 from peer.transitions import announce_transition, compose_stage, report_relayout
 from planner.stage_choice import StageMove
-from swarm.data import DataError, load_corpus
 from swarm.stage import Stage
 from swarm.view import SwarmView
 
@@ -79,6 +79,7 @@ class Peer:
         self.loader: StateLoader | None = None
         self.keeper: BackupKeeper | None = None  # the backup of another stage it may keep, across moves
         self.status_protocol: StatusProtocol | None = None  # /murmuration/status/1.0.0 for any libp2p client
+        self.data: TrainingData | None = None  # the run's tokenizer and data, from the join on
         self._handoffs: list[Handoff] = []  # old layouts' states this peer still serves
         self.reputation = None if config.ban_strikes == 0 else Reputation(
             max_strikes=config.ban_strikes, ban_seconds=config.ban_seconds,
@@ -137,12 +138,14 @@ class Peer:
                                                       bootstraps=bootstrap_peer_ids(config.bootstrap))
         logger.info(f"run spec: {self.spec.describe()}")
         self.history = StatusHistory(seq_len=self.spec.model.seq_len)
-        corpus = self._load_corpus()  # before choosing a stage: a data mistake is the user's to fix
+        corpus = load_run_corpus(self.spec, config)  # before choosing a stage: a data mistake is the user's to fix
         device = resolve_device(config.device)
         self.flops = await asyncio.to_thread(measure_flops, self.spec, device)
         logger.info(f"measured {self.flops / 1e9:.2f} GFLOP/s on {device}")
         self.view = SwarmView(self.dht, self.spec.run_id)
         await self.view.refresh()
+        self.p2p = await self.dht.replicate_p2p()
+        self.data = await TrainingData.open(self.p2p, self.spec, self.view, corpus, config=config, peer_id=self.peer_id)
         self.spec = self._layout_to_join()
         self.announced_at = dht_time()
         stage_index, snapshot = await self._choose_stage()
@@ -153,14 +156,13 @@ class Peer:
         self._set_state(PeerState.SYNCING)
         logger.info(f"chose stage {stage_index} of {self.spec.num_stages} (layers {list(self.spec.stage_layers[stage_index])})")
         await self.heartbeat()
-        self.p2p = await self.dht.replicate_p2p()
         self.status_protocol = StatusProtocol(self.p2p, lambda: local_status(self.snapshot, self.history))
         await self.status_protocol.start()
         self.keeper = BackupKeeper(self.p2p, self.view, self.spec, peer_id=self.peer_id, config=config, metrics=self.metrics,
                                    reputation=self.reputation)
         self.ctx = PeerContext(config=config, role=self.role, peer_id=self.peer_id, dht=self.dht, p2p=self.p2p,
                                view=self.view, base_spec=self.base_spec, keeper=self.keeper, metrics=self.metrics,
-                               reputation=self.reputation, faults=self.faults, corpus=corpus)
+                               reputation=self.reputation, faults=self.faults, tokens=self.data.tokens)
         self.loader = StateLoader(self.p2p, self.view, peer_id=self.peer_id, config=config, keeper=self.keeper,
                                   metrics=self.metrics, reputation=self.reputation, traffic=TRAFFIC)
         await self.loader.load(self.stage, self.spec, seen=snapshot)
@@ -194,12 +196,6 @@ class Peer:
             scale = float(self.faults.get("scale_updates") or 1)
             inject_bad_updates(stage, scale=scale, nan="nan_updates" in self.faults)
         return stage
-
-    def _load_corpus(self) -> bytes:
-        try:
-            return load_corpus(self.spec.dataset, self.config.data)
-        except DataError as e:
-            raise UserError(f"Cannot load the training data: {e}.") from e
 
     # --- train: one session per stage, and the transitions between them -----------------------
 
@@ -290,6 +286,8 @@ class Peer:
             await handoff.shutdown()
         if self.status_protocol is not None:
             await self.status_protocol.shutdown()
+        if self.data is not None:
+            await self.data.shutdown()
         if self.view is not None:
             await self.view.shutdown()
         if self.dht is not None:

@@ -48,7 +48,7 @@ from planner.backup_plan import Rescue
 from planner.stage_choice import StageMove
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
-from swarm.data import TokenSampler, data_seed
+from swarm.data import Tokens, TokenSampler, data_seed
 from swarm.failure_detector import FailureDetector
 from swarm.gradient_sync import GradientSync
 from swarm.membership import MembershipNotices, membership_handler
@@ -84,7 +84,7 @@ class PeerContext:
         metrics: its event log.
         reputation: strikes and bans of misbehaving peers, or None (``--ban-strikes 0``).
         faults: test-only misbehaviour (``peer.faults``).
-        corpus: the training data (stage 0 samples from it).
+        tokens: the training data as the run tokenizer's ids (stage 0 samples from them).
         clock: seconds, monotonic: what the session's loops time themselves with.
     """
 
@@ -99,7 +99,7 @@ class PeerContext:
     metrics: EventLog
     reputation: Reputation | None
     faults: dict[str, str]
-    corpus: bytes
+    tokens: Tokens
     clock: Callable[[], float] = time.monotonic
 
 
@@ -243,7 +243,7 @@ class StageSession:
 
     def _new_trainer(self, replay: bool) -> Trainer:
         ctx, spec, config, stage = self.ctx, self.spec, self.ctx.config, self.stage
-        sampler = TokenSampler(ctx.corpus, seq_len=spec.model.seq_len, seed=data_seed(spec.seed, ctx.peer_id))
+        sampler = TokenSampler(ctx.tokens, seq_len=spec.model.seq_len, seed=data_seed(spec.seed, ctx.peer_id))
         return Trainer(stage, sampler, self.router, peer_id=ctx.peer_id,
                        max_in_flight=config.max_in_flight, on_microbatch=self._on_microbatch,
                        on_event=self._on_stage_event, sticky=replay, eval_every=config.eval_every,

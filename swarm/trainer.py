@@ -74,6 +74,7 @@ class Trainer:
         self._ids = itertools.count()
         self._slots: collections.deque[int] | None = None  # flush: positions of the current batch not drawn yet
         self._batch = 0  # flush: the batch being drawn (the stage's weight version when it began)
+        self._per_batch = 1  # flush: microbatches in that batch (its positions are 0 .. this - 1)
         self.heldout, self.eval_every = list(heldout), eval_every  # held-out microbatches, samples between evaluations
         self._next_eval, self._num_evals = 0, 0
         # replica_sync "gradients": this replica's positions in a swarm batch of that many microbatches
@@ -121,7 +122,7 @@ class Trainer:
         :meth:`next_task` from now on; returns how many."""
         stage = self.stage
         slots = self.batch_slots(per_batch) if stage.exchanges_gradients and self.batch_slots else range(per_batch)
-        self._slots, self._batch = collections.deque(slots), stage.version
+        self._slots, self._batch, self._per_batch = collections.deque(slots), stage.version, per_batch
         return len(self._slots)
 
     async def _lane(self, stop: asyncio.Event, lane: int) -> None:
@@ -197,7 +198,8 @@ class Trainer:
         (or without a ``slot``) the next of this peer's own draws."""
         spec = self.stage.spec
         if slot is not None and self.stage.syncs_gradients:
-            inputs, targets = self.sampler.sample_slot(spec.microbatch_size, seed=spec.seed, batch=self._batch, slot=slot)
+            inputs, targets = self.sampler.sample_slot(spec.microbatch_size, seed=spec.seed, batch=self._batch, slot=slot,
+                                                       slots=self._per_batch)
         else:
             inputs, targets = self.sampler.sample(spec.microbatch_size)
         task = Task(f"{self.peer_id[-8:]}:{next(self._ids)}", inputs, targets)

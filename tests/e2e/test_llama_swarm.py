@@ -1,23 +1,46 @@
-"""The llama family trains in a real swarm: a bootstrap publishing a Llama-style run (RMSNorm, rotary
-positions, SwiGLU, grouped-query attention) and two run_peer.py processes, one per stage; the loss falls."""
+"""The llama family trains in a real swarm on prepared data: a bootstrap publishing a Llama-style run
+(RMSNorm, rotary positions, SwiGLU, grouped-query attention) on a pre-tokenized token shard and its
+BPE tokenizer, and two run_peer.py processes, one per stage: one obtains the tokenizer from the
+swarm, the other is given the file; a peer given another tokenizer is refused in one sentence; the
+loss falls."""
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 
 import pytest
 
-from peer.harness.local_swarm import wait_for
+from peer.harness.local_swarm import REPO_ROOT, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 LOSS_WINDOW = 20
 MICROBATCHES = 150
 
 
-def test_a_llama_run_trains_across_two_stages_and_its_loss_falls(local_swarm):
-    local_swarm.start_bootstrap("--model-family", "llama", "--num-heads", "4", "--num-kv-heads", "2")
-    peers = [local_swarm.start_peer("--num-threads", "1", "--stage", str(stage), "--rebalance-period", "0")
-             for stage in (0, 1)]
+def prepare_shard(tmp_path) -> tuple[str, str]:
+    """The built-in corpus as JSON Lines, prepared by the command a user runs: shard and tokenizer."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    source = tmp_path / "topics.jsonl"
+    source.write_text("".join(json.dumps({"text": topics[name]}) + "\n" for name in sorted(topics)))
+    out = tmp_path / "data" / "train.bin"
+    done = subprocess.run([sys.executable, "-m", "peer.prepare_data", "--out", str(out), "--train-bpe", "--vocab-size",
+                           "1024", str(source)], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    return str(out), str(tmp_path / "data" / "tokenizer.json")
+
+
+def test_a_llama_run_on_a_token_shard_trains_across_two_stages_and_its_loss_falls(local_swarm, tmp_path):
+    shard, tokenizer = prepare_shard(tmp_path)
+    local_swarm.start_bootstrap("--model-family", "llama", "--num-heads", "4", "--num-kv-heads", "2",
+                                "--data", shard, "--tokenizer", tokenizer)
+    peers = [local_swarm.start_peer("--num-threads", "1", "--stage", "0", "--rebalance-period", "0", "--data", shard),
+             local_swarm.start_peer("--num-threads", "1", "--stage", "1", "--rebalance-period", "0", "--data", shard,
+                                    "--tokenizer", tokenizer)]
     last = peers[1]
 
     def losses() -> list[float]:
@@ -27,8 +50,16 @@ def test_a_llama_run_trains_across_two_stages_and_its_loss_falls(local_swarm):
              f"{MICROBATCHES} microbatches through the llama pipeline")
     assert all(p.is_alive() for p in peers), local_swarm.logs()
     log = last.log_path.read_text()
-    assert "run spec: run demo: Llama d_model=128 layers=4 heads=4/2 kv" in log, log[:2000]
+    assert "run spec: run demo: Llama d_model=128 layers=4 heads=4/2 kv" in log and "BPE tokens (vocabulary 1024)" in log, log[:2000]
+    assert "obtained the run's tokenizer" in peers[0].log_path.read_text()
     seen = losses()
     first, final = statistics.mean(seen[:LOSS_WINDOW]), statistics.mean(seen[-LOSS_WINDOW:])
-    print(f"llama 1 + 1: loss {first:.3f} -> {final:.3f} over {len(seen)} microbatches")
+    print(f"llama 1 + 1 on a token shard: loss {first:.3f} -> {final:.3f} over {len(seen)} microbatches")
     assert final < first - 0.5, f"loss {first:.3f} -> {final:.3f}"
+
+    wrong = tmp_path / "other.json"
+    wrong.write_bytes(open(tokenizer, "rb").read().replace(b'"<|endoftext|>"', b'"<|end|>"', 1))
+    refused = local_swarm.start_peer("--num-threads", "1", "--data", shard, "--tokenizer", str(wrong))
+    wait_for(lambda: not refused.is_alive(), 60, "the peer with another tokenizer to exit")
+    assert refused.process.returncode == 2
+    assert "Cannot use the tokenizer: the tokenizer file is bpe:" in refused.log_tail(5), refused.log_tail(20)

@@ -26,7 +26,7 @@ TIMEOUT = 10.0
 
 
 def sampler(seed: int) -> TokenSampler:
-    return TokenSampler(load_corpus(SPEC.dataset), seq_len=SPEC.model.seq_len, seed=seed)
+    return TokenSampler(load_corpus(SPEC.dataset).text(), seq_len=SPEC.model.seq_len, seed=seed)
 
 
 async def open_replica(dht, validator, seed: int) -> tuple[Trainer, GradientSync]:
@@ -84,7 +84,8 @@ def test_replicas_step_as_one_process_on_the_swarm_batch(dht_nodes):
             drawn = await asyncio.wait_for(asyncio.gather(*(train_batch(t) for t, _ in replicas)), 60)
             # the replicas drew the batch's positions between them, each once: the batch one process
             # draws on the run's seed (swarm.data.TokenSampler.sample_slot)
-            whole = [data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=batch, slot=k) for k in range(PER_BATCH)]
+            whole = [data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=batch, slot=k, slots=PER_BATCH)
+                     for k in range(PER_BATCH)]
             assert sorted(x[0].tolist() for part in drawn for x in part) == sorted(x[0].tolist() for x in whole)
             one_process_step(reference, optimizer, whole)
             digests = [await t.stage.run(t.stage.params_digest) for t, _ in replicas]

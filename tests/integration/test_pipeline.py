@@ -26,7 +26,7 @@ MAX_PAYLOAD = 1 << 24
 
 
 def sampler() -> TokenSampler:
-    return TokenSampler(load_corpus(SPEC.dataset), seq_len=SPEC.model.seq_len, seed=3)
+    return TokenSampler(load_corpus(SPEC.dataset).text(), seq_len=SPEC.model.seq_len, seed=3)
 
 
 async def serve_last_stage(dht, validator) -> tuple[Stage, StageServer, str]:

@@ -35,7 +35,7 @@ LOSS_TOLERANCE = 1e-4
 
 
 def sampler() -> TokenSampler:
-    return TokenSampler(load_corpus(SPEC.dataset), seq_len=SPEC.model.seq_len, seed=5)
+    return TokenSampler(load_corpus(SPEC.dataset).text(), seq_len=SPEC.model.seq_len, seed=5)
 
 
 def one_process_losses(num_microbatches: int, *, own_draws: bool = False) -> list[float]:
@@ -48,7 +48,7 @@ def one_process_losses(num_microbatches: int, *, own_draws: bool = False) -> lis
     data, losses = sampler(), []
     for index in range(num_microbatches):
         inputs, targets = (data.sample(SPEC.microbatch_size) if own_draws else
-                           data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=index // PER_STEP, slot=index % PER_STEP))
+                           data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=index // PER_STEP, slot=index % PER_STEP, slots=PER_STEP))
         loss = next_token_loss(stages[1](stages[0](inputs)), targets)
         (loss / PER_STEP).backward()
         losses.append(loss.item())
@@ -119,7 +119,7 @@ def test_heldout_loss_through_the_pipeline_is_one_process_loss(dht_nodes):
     data = sampler()
     for step in range(2):
         for slot in range(PER_STEP):
-            inputs, targets = data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=step, slot=slot)
+            inputs, targets = data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=step, slot=slot, slots=PER_STEP)
             (next_token_loss(reference[1](reference[0](inputs)), targets) / PER_STEP).backward()
         for model, optimizer in zip(reference, optimizers):
             torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP_NORM)

@@ -54,7 +54,7 @@ async def stage0(dht, reputation: Reputation, events: list[dict]) -> tuple[Train
                           on_event=lambda event, **fields: events.append({"event": event, **fields}))
     router = Router(p2p, view, run_id=SPEC.run_id, next_stage=1, next_stage_flops=1.0, request_timeout=10,
                     max_payload_bytes=MAX_PAYLOAD, rng=random.Random(0), reputation=reputation, spot_checker=checker)
-    sampler = TokenSampler(load_corpus(SPEC.dataset), seq_len=SPEC.model.seq_len, seed=3)
+    sampler = TokenSampler(load_corpus(SPEC.dataset).text(), seq_len=SPEC.model.seq_len, seed=3)
     trainer = Trainer(Stage(SPEC, 0, device=CPU), sampler, router, peer_id=dht.peer_id.to_base58(), max_in_flight=1)
     return trainer, checker
 

@@ -71,7 +71,7 @@ async def new_session(dht, validator, stage_index: int) -> tuple[StageSession, H
     view, metrics = SwarmView(dht, SPEC.run_id), EventLog(None)
     ctx = PeerContext(config=config, role="reliable", peer_id=peer_id, dht=dht, p2p=p2p, view=view, base_spec=SPEC,
                       keeper=BackupKeeper(p2p, view, SPEC, peer_id=peer_id, config=config, metrics=metrics),
-                      metrics=metrics, reputation=None, faults={}, corpus=load_corpus(SPEC.dataset))
+                      metrics=metrics, reputation=None, faults={}, tokens=load_corpus(SPEC.dataset).text())
     host = Host(dht, validator, stage_index)
     await host.heartbeat()
     return StageSession(ctx, SPEC, Stage(SPEC, stage_index, device=torch.device("cpu")), host), host

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from dht.records import ModelSpec, RunSpec
 from peer.checkpoint import checkpoint_path, save_checkpoint
 from peer.errors import UserError
 from peer.export import export_checkpoints, main
+from swarm.tokenizer import BpeTokenizer, train_bpe
 from swarm.model import StageModel
 from swarm.stage import Stage
 
@@ -20,11 +22,13 @@ MODELS = {"llama": ModelSpec(family="llama", d_model=32, num_layers=3, num_heads
           "gpt": ModelSpec(d_model=32, num_layers=3, num_heads=4, seq_len=16)}
 
 
-def write_checkpoints(directory, family: str, *, stages: tuple[int, ...] | None = None) -> RunSpec:
+def write_checkpoints(directory, family: str, *, stages: tuple[int, ...] | None = None, tokenizer: str = "bytes",
+                      vocab_size: int = 256) -> RunSpec:
     """Checkpoints of every stage (or of ``stages``) of a two-stage run, each trained one step off
     the seed's weights so that the export is not of an initialisation anyone could rebuild."""
-    spec = RunSpec(run_id="exp", model=MODELS[family], stage_layers=((0, 1), (1, 3)), microbatch_size=2,
-                   target_batch_size=2, seed=5)
+    model = dataclasses.replace(MODELS[family], vocab_size=vocab_size)
+    spec = RunSpec(run_id="exp", model=model, stage_layers=((0, 1), (1, 3)), microbatch_size=2,
+                   target_batch_size=2, seed=5, tokenizer=tokenizer)
     for index in range(spec.num_stages) if stages is None else stages:
         stage = Stage(spec, index, device=torch.device("cpu"))
         try:
@@ -90,3 +94,28 @@ def test_checkpoints_of_another_model_are_refused(tmp_path):
         stage.shutdown()
     with pytest.raises(UserError, match="written for another model or layout"):
         export_checkpoints(tmp_path / "ckpt", "exp", tmp_path / "hf")
+
+
+@torch.no_grad()
+def test_a_bpe_runs_export_carries_its_tokenizer_and_generates_text(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    blob = train_bpe([b"the model learns the words of the corpus " * 40, b"def main():\n    return 0\n" * 30], 300)
+    tokenizer = BpeTokenizer(blob)
+    write_checkpoints(tmp_path / "ckpt", "llama", tokenizer=tokenizer.id, vocab_size=tokenizer.vocab_size)
+    with pytest.raises(UserError, match="peers write the run's tokenizer.json beside their checkpoints"):
+        export_checkpoints(tmp_path / "ckpt", "exp", tmp_path / "hf")  # none there yet
+    other = tmp_path / "other.json"
+    other.write_bytes(train_bpe([b"another corpus entirely " * 40], 280))
+    with pytest.raises(UserError, match="not the run's"):
+        export_checkpoints(tmp_path / "ckpt", "exp", tmp_path / "hf", tokenizer_file=other)
+    (tmp_path / "ckpt" / "tokenizer.json").write_bytes(blob)  # as a peer with --checkpoint-dir writes it
+    export_checkpoints(tmp_path / "ckpt", "exp", tmp_path / "hf")
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def main():\n    return the words"
+    ids = hf_tokenizer(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == tokenizer.encode(text) and hf_tokenizer.decode(ids[0]) == text
+    assert hf_tokenizer.eos_token_id == tokenizer.end_of_text
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    generated = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False)
+    assert generated.shape[1] > 8 and isinstance(hf_tokenizer.decode(generated[0]), str)
