@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
     "${PYTHON:-python3}" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, hivemind, msgpack, uvloop, matplotlib, pytest, pytest_timeout, xdist, hypothesis" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, hivemind, msgpack, uvloop, matplotlib, tokenizers, transformers, pyarrow, pytest, pytest_timeout, xdist, hypothesis" 2>/dev/null; then
     .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
     .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
 fi
