@@ -20,16 +20,16 @@ def main(argv: list[str] | None = None) -> int:
         config, _args = load_config(parser, BootstrapConfig, argv)
     except ValueError as e:
         parser.error(str(e))
-    from peer.bootstrap import BootstrapNode, build_run_spec, open_bootstrap_status  # heavy imports after parsing: --help stays fast
+    from peer.bootstrap import BootstrapNode, open_bootstrap_status, prepare_run  # heavy imports after parsing: --help stays fast
 
-    try:
-        build_run_spec(config)  # the model and data settings, checked before anything starts
-    except ValueError as e:  # DataError is a ValueError too
-        parser.error(str(e))
     configure_logging(config.log_level, lambda: "[bootstrap] ")
+    try:
+        prepared = prepare_run(config)  # the model, data and tokenizer settings, checked before anything starts
+    except ValueError as e:  # DataError and TokenizerError are ValueErrors too
+        parser.error(str(e))
 
     async def serve(stop: asyncio.Event) -> None:
-        with BootstrapNode(config) as node:
+        with BootstrapNode(config, prepared) as node:
             maddrs = await asyncio.to_thread(node.start)
             await node.find_owner()
             logger.info(node.spec.describe())
@@ -40,8 +40,13 @@ def main(argv: list[str] | None = None) -> int:
             for maddr in maddrs:
                 print(f"  python run_peer.py --bootstrap {maddr} --run-id {config.run_id} --run-owner {node.owner}",
                       flush=True)
-            async with open_bootstrap_status(node):  # --status-port: the swarm's health page and metrics
+            status, samples = open_bootstrap_status(node)
+            async with status:  # --status-port: the swarm's health page and metrics
+                sampling = asyncio.create_task(samples.run(stop, lambda: node.spec)) if samples else None
                 await node.serve(stop)
+                if sampling is not None:
+                    sampling.cancel()
+                    await asyncio.gather(sampling, return_exceptions=True)
 
     return run_until_signalled(serve)
 

@@ -12,6 +12,8 @@ from dht.node import DHTNodeConfig, open_dht, visible_maddrs
 from dht.records import ModelSpec, RunSpec, even_stage_layers
 from dht.registry import declare_run_spec, fetch_run_specs, owner_fingerprint
 from peer.config import BootstrapConfig, PeerConfig
+from peer.gather import GatheredModel, gather_model
+from peer.model_sample import SampleLoop
 from peer.profiler import stage_memory_bytes
 from peer.relayout import newest_layout_records
 from peer.status.service import StatusService, StatusSource
@@ -94,9 +96,9 @@ def stages_to_fit(spec: RunSpec, memory_bytes: float, *, max_in_flight: int = DE
 class BootstrapNode:
     """Owns the DHT node; :meth:`serve` keeps the run spec published until ``stop`` is set."""
 
-    def __init__(self, config: BootstrapConfig) -> None:
+    def __init__(self, config: BootstrapConfig, prepared: tuple[RunSpec, Tokenizer] | None = None) -> None:
         self.config = config
-        self.spec, self.tokenizer = prepare_run(config)
+        self.spec, self.tokenizer = prepared or prepare_run(config)
         self.file_server: RunFileServer | None = None  # serves the tokenizer.json, if the run has one
         if config.num_stages == 0:
             _, need = stages_to_fit(self.spec, config.stage_memory_gb * 2**30)
@@ -170,13 +172,25 @@ class BootstrapNode:
         self.shutdown()
 
 
-def open_bootstrap_status(node: BootstrapNode) -> StatusService:
+def open_bootstrap_status(node: BootstrapNode) -> tuple[StatusService, SampleLoop | None]:
     """The bootstrap's status service: the health page and metrics of the whole swarm on
-    ``--status-port``, from a swarm view of its own (nothing at all with port 0)."""
+    ``--status-port``, from a swarm view of its own (nothing at all with port 0); and, with a page and
+    ``--sample-period``, the loop that writes the page's samples of the model's text (the caller runs
+    it: ``SampleLoop.run``)."""
     config = node.config
     view = SwarmView(node.dht, config.run_id) if config.status_port else None
+    samples = None
+    if view is not None and config.sample_period > 0:
+        samples = SampleLoop(lambda: _gather(node, view), period=config.sample_period)
     # after a layer-wise re-plan, the stages and peers of the layout the swarm trains under (peer.relayout)
     source = StatusSource(run_id=config.run_id, spec=lambda: newest_layout_records(view, node.spec)[0] if view else node.spec,
                           records=lambda: newest_layout_records(view, node.spec)[1] if view is not None else [],
-                          owned_view=view)
-    return StatusService(source, host=config.status_host, port=config.status_port)
+                          owned_view=view, sample=samples.document if samples is not None else lambda: None)
+    return StatusService(source, host=config.status_host, port=config.status_port), samples
+
+
+async def _gather(node: BootstrapNode, view: SwarmView) -> GatheredModel:
+    """The whole model from the swarm, for a sample; the bootstrap's own tokenizer if it published the run."""
+    config = PeerConfig(bootstrap=tuple(visible_maddrs(node.dht)), run_id=node.spec.run_id)  # transfer settings
+    return await gather_model(await node.dht.replicate_p2p(), node.spec, view, config=config,
+                              peer_id=node.dht.peer_id.to_base58(), tokenizer=node.tokenizer if node.publishes else None)

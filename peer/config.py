@@ -44,9 +44,10 @@ class PeerConfig:
     num_threads: int = field(default=0, metadata=_help("CPU threads for torch (0: torch's default)"))
     data: tuple[str, ...] = field(default=(), metadata=_help("the data files to train on, when the run was published with --data"))
     tokenizer: str | None = field(default=None, metadata=_help("the run's tokenizer.json, if you have it (default: obtained from the swarm; either way checked against the run's hash)"))
+    sample_period: float = field(default=0.0, metadata=_help("seconds between samples of what the model writes after a fixed prompt, shown in the terminal view and on the status page; each pulls every other stage's newest state from the swarm, so 0 (none) is the default: the bootstrap's health page has them"))
     max_memory_mb: float = field(default=0.0, metadata=_help("memory this peer may use for its stage, MiB (0: what the machine has available)"))
     max_in_flight: int = field(default=4, metadata=_help("microbatches a stage-0 peer keeps in the pipeline at once; raise for deeper pipelines"))
-    activation_checkpointing: bool = field(default=False, metadata=_help("keep only each block's input for the backward and recompute the rest when the gradient comes back: the in-flight microbatches take a small fraction of the memory, for about a third more compute (run_peer.py --dry-run says what the stage needs either way)"))
+    activation_checkpointing: bool = field(default=False, metadata=_help("keep only each block's input for the backward and recompute the rest when the gradient comes back: the in-flight microbatches take a small fraction of the memory, for one more forward of each block (up to a third more compute; run_peer.py --dry-run says what the stage needs either way)"))
     eval_every: int = field(default=4096, metadata=_help("samples a stage-0 peer trains between evaluations of the held-out loss through the pipeline (0: never)"))
     eval_sequences: int = field(default=128, metadata=_help("held-out sequences per evaluation (the same fixed set on every peer; more is steadier and slower)"))
     join_timeout: float = field(default=30.0, metadata=_help("seconds to reach the swarm and find the run before giving up"))
@@ -82,6 +83,8 @@ class PeerConfig:
     backup_period: float = field(default=30.0, metadata=_help("seconds between refreshes of the backup this peer keeps when it is the keeper of a stage held by a single peer (the lowest peer id of the next stage); the first copy is taken at once (0: keep no backups)"))
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.sample_period) and self.sample_period >= 0):
+            raise ValueError("--sample-period must be 0 (no samples) or a positive number of seconds")
         check_status_port(self.status_port)
         if self.terminal_view not in ("auto", "on", "off"):
             raise ValueError(f"--terminal-view must be auto, on or off, got {self.terminal_view!r}")
@@ -177,10 +180,13 @@ class BootstrapConfig:
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
     status_port: int = field(default=0, metadata=_help("serve the swarm health page (/), /status.json and Prometheus /metrics on this TCP port (0: off)"))
     status_host: str = field(default="127.0.0.1", metadata=_help("address the status port listens on; 0.0.0.0 to let other machines see it"))
+    sample_period: float = field(default=120.0, metadata=_help("with --status-port: seconds between the health page's samples of what the model writes after a fixed prompt; each gathers every stage's newest state from the swarm (0: none; models over 64 M parameters are never sampled)"))
 
     def __post_init__(self) -> None:
         check_status_port(self.status_port)
         check_run_id(self.run_id)
+        if not (math.isfinite(self.sample_period) and self.sample_period >= 0):
+            raise ValueError("--sample-period must be 0 (no samples) or a positive number of seconds")
         if not (math.isfinite(self.spec_refresh_period) and self.spec_refresh_period > 0):
             raise ValueError("--spec-refresh-period must be a positive number")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

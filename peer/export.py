@@ -1,10 +1,13 @@
-"""Export a run's model from its stage checkpoints into a Hugging Face folder.
+"""Export a run's model into a Hugging Face folder, from its stage checkpoints or from a live swarm.
 
     .venv/bin/python -m peer.export --checkpoint-dir ckpt --run-id demo --out hf-demo
+    .venv/bin/python -m peer.export --bootstrap /ip4/…/p2p/… --run-id demo --out hf-demo
 
-Reads ``<dir>/<run_id>-stage<k>.safetensors`` for every stage (the files peers write with
-``--checkpoint-dir``; each carries the run spec it was written under, checked against the others and
-loaded with the same checks a resuming peer applies), and writes ``config.json`` and
+From checkpoints it reads ``<dir>/<run_id>-stage<k>.safetensors`` for every stage (the files peers
+write with ``--checkpoint-dir``; each carries the run spec it was written under, checked against the
+others and loaded with the same checks a resuming peer applies). From a live swarm it joins the DHT
+as a visitor and pulls the newest state of every stage from its holders as a joiner would
+(``peer.gather``), without taking part in training. Either way it writes ``config.json`` and
 ``model.safetensors`` that ``transformers`` loads as ``LlamaForCausalLM`` (llama family) or
 ``GPT2LMHeadModel`` (gpt family): ``AutoModelForCausalLM.from_pretrained("hf-demo")``. A BPE run's
 tokenizer goes with it (``tokenizer.json`` and ``tokenizer_config.json``, which
@@ -20,6 +23,7 @@ sentence and exit status 2.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -29,11 +33,15 @@ from safetensors.torch import save_file
 
 from dht.records import RunSpec
 from peer.checkpoint import CheckpointError, checkpoint_path, checkpoint_spec, load_checkpoint
+from peer.config import PeerConfig
 from peer.errors import UserError
+from peer.gather import gather_model
+from peer.join import bootstrap_peer_ids, fetch_spec, open_swarm_dht
 from peer.training_data import TOKENIZER_FILE
 from swarm.generation import SAMPLE_PROMPT, continue_text, stage_models
 from swarm.hf_export import hf_config, hf_state_dict
 from swarm.tokenizer import BYTES, END_OF_TEXT, BpeTokenizer, ByteTokenizer, TokenizerError, load_tokenizer, read_tokenizer_file
+from swarm.view import SwarmView
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
@@ -42,8 +50,31 @@ def export_checkpoints(checkpoint_dir: Path, run_id: str, out_dir: Path, *, toke
     """Write the Hugging Face folder ``out_dir`` from the run's stage checkpoints in ``checkpoint_dir``;
     returns what was exported (family, parameters, each stage's step). ``UserError`` on a mistake."""
     spec, parameters, steps = load_run_checkpoints(checkpoint_dir, run_id)
-    tensors = hf_state_dict(spec, parameters)
     tokenizer = run_tokenizer(spec, tokenizer_file or checkpoint_dir / TOKENIZER_FILE)
+    return write_export(spec, parameters, steps, tokenizer, out_dir)
+
+
+async def export_live(config: PeerConfig, out_dir: Path) -> dict:
+    """Write the Hugging Face folder ``out_dir`` from the newest state of every stage of the live run
+    ``config.run_id``, reached through ``config.bootstrap``; ``UserError`` on a mistake."""
+    dht, _validator = await open_swarm_dht(config, is_visitor=True)  # client mode, a fresh identity
+    view = None
+    try:
+        spec = await fetch_spec(dht, config.run_id, timeout=config.join_timeout, owner=config.run_owner,
+                                bootstraps=bootstrap_peer_ids(config.bootstrap))
+        view = SwarmView(dht, spec.run_id)
+        model = await gather_model(await dht.replicate_p2p(), spec, view, config=config, peer_id=dht.peer_id.to_base58())
+        tokenizer = model.tokenizer if isinstance(model.tokenizer, BpeTokenizer) else None
+        return write_export(model.spec, model.parameters, model.steps, tokenizer, out_dir)
+    finally:
+        if view is not None:
+            await view.shutdown()
+        dht.shutdown()
+
+
+def write_export(spec: RunSpec, parameters: dict[int, dict[str, torch.Tensor]], steps: dict[int, int],
+                 tokenizer: BpeTokenizer | None, out_dir: Path) -> dict:
+    tensors = hf_state_dict(spec, parameters)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / MODEL_FILE), metadata={"format": "pt"})
     config = hf_config(spec)
@@ -111,17 +142,28 @@ def write_tokenizer(out_dir: Path, tokenizer: BpeTokenizer, spec: RunSpec) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m peer.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint-dir", required=True, help="the folder peers wrote stage checkpoints to")
-    parser.add_argument("--run-id", default="demo", help="the run whose checkpoints to export")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint-dir", help="the folder peers wrote stage checkpoints to")
+    source.add_argument("--bootstrap", nargs="+", help="multiaddr(s) of a bootstrap or any live peer of the run")
+    parser.add_argument("--run-id", default="demo", help="the run to export")
+    parser.add_argument("--run-owner", help="with --bootstrap: the run owner's key, as the bootstrap's join line prints it")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write (created if missing)")
-    parser.add_argument("--tokenizer", help="a BPE run's tokenizer.json (default: the one in --checkpoint-dir)")
+    parser.add_argument("--tokenizer", help="a BPE run's tokenizer.json (default: the one in --checkpoint-dir, or the swarm's)")
     args = parser.parse_args(argv)
     try:
-        result = export_checkpoints(Path(args.checkpoint_dir), args.run_id, Path(args.out),
-                                    tokenizer_file=Path(args.tokenizer) if args.tokenizer else None)
+        if args.bootstrap:
+            config = PeerConfig(bootstrap=tuple(args.bootstrap), run_id=args.run_id, run_owner=args.run_owner,
+                                tokenizer=args.tokenizer)
+            result = asyncio.run(export_live(config, Path(args.out)))
+        else:
+            result = export_checkpoints(Path(args.checkpoint_dir), args.run_id, Path(args.out),
+                                        tokenizer_file=Path(args.tokenizer) if args.tokenizer else None)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except ValueError as e:  # a setting the user got wrong (e.g. a malformed run id)
+        print(f"error: {e}.", file=sys.stderr)
+        return 2
     steps = ", ".join(f"stage {k} step {v}" for k, v in sorted(result["stage_steps"].items()))
     print(f"exported run {args.run_id} ({result['family']}, {result['parameters']:,} parameters; {steps}) to "
           f"{result['out']}: AutoModelForCausalLM.from_pretrained({result['out']!r}) loads it")

@@ -44,6 +44,7 @@ from peer.event_log import EventLog
 from peer.faults import inject_bad_updates, read_faults
 from peer.join import bootstrap_peer_ids, fetch_spec, negotiate_stage, open_swarm_dht
 from peer.profiler import measure_flops, resolve_device, stage_memory_budget
+from peer.model_sample import SampleLoop, gather_for_peer
 from peer.relayout import Handoff, LayoutChange, joiner_layout
 from peer.session import PeerContext, StageSession
 from peer.state_sources import StateLoader
@@ -96,6 +97,7 @@ class Peer:
         self._layout_map: tuple[int, ...] = ()  # how the current layout derives from the one before
         self.memory_budget = 0  # bytes this peer may use for a stage, set by the first memory check
         self.snapshot = self._take_snapshot()  # what its windows show (peer.status)
+        self.samples = SampleLoop(lambda: gather_for_peer(self), period=config.sample_period)  # --sample-period
 
     def log_prefix(self) -> str:
         stage = f" stage {self.stage.index} step {self.stage.version}" if self.stage else ""
@@ -105,20 +107,21 @@ class Peer:
         config = self.config
         source = StatusSource(run_id=config.run_id, spec=lambda: self.spec,
                               records=lambda: list(self.view.records) if self.view is not None else [],
-                              snapshot=lambda: self.snapshot, history=lambda: self.history)
+                              snapshot=lambda: self.snapshot, history=lambda: self.history, sample=self.samples.document)
         status = open_status(source, host=config.status_host, port=config.status_port, quiet=config.quiet,
                              terminal_view=config.terminal_view, verbose=config.verbose, view_period=config.status_period)
         await status.start()  # health page, /metrics, terminal view: from joining to leaving
-        publisher = asyncio.create_task(self._snapshot_loop(), name="snapshot")
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGUSR1, self.toggle_pause)
+        tasks = (asyncio.create_task(self._snapshot_loop(), name="snapshot"),
+                 asyncio.create_task(self.samples.run(stop, lambda: self.spec if self.is_training() else None), name="samples"))
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self.toggle_pause)
         try:
             await self._join()
             await self._train(stop)
         finally:
-            loop.remove_signal_handler(signal.SIGUSR1)
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
             await self._leave()
-            publisher.cancel()
+            for task in tasks:
+                task.cancel()
             await status.shutdown()
 
     # --- join ---------------------------------------------------------------------------------
@@ -134,8 +137,7 @@ class Peer:
         self.maddrs = tuple(visible_maddrs(self.dht)[:4])  # read once: every heartbeat carries them
         logger.info(f"joined the DHT as {self.peer_id} ({self.role}); reachable at {' '.join(self.maddrs)}")
         self.spec = self.base_spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout,
-                                                      owner=config.run_owner,
-                                                      bootstraps=bootstrap_peer_ids(config.bootstrap))
+                                                      owner=config.run_owner, bootstraps=bootstrap_peer_ids(config.bootstrap))
         logger.info(f"run spec: {self.spec.describe()}")
         self.history = StatusHistory(seq_len=self.spec.model.seq_len)
         corpus = load_run_corpus(self.spec, config)  # before choosing a stage: a data mistake is the user's to fix
@@ -144,7 +146,7 @@ class Peer:
         logger.info(f"measured {self.flops / 1e9:.2f} GFLOP/s on {device}")
         self.view = SwarmView(self.dht, self.spec.run_id)
         await self.view.refresh()
-        self.p2p = await self.dht.replicate_p2p()
+        self.p2p = await self.dht.replicate_p2p()  # the run's tokenizer may come from the swarm
         self.data = await TrainingData.open(self.p2p, self.spec, self.view, corpus, config=config, peer_id=self.peer_id)
         self.spec = self._layout_to_join()
         self.announced_at = dht_time()
@@ -158,8 +160,8 @@ class Peer:
         await self.heartbeat()
         self.status_protocol = StatusProtocol(self.p2p, lambda: local_status(self.snapshot, self.history))
         await self.status_protocol.start()
-        self.keeper = BackupKeeper(self.p2p, self.view, self.spec, peer_id=self.peer_id, config=config, metrics=self.metrics,
-                                   reputation=self.reputation)
+        self.keeper = BackupKeeper(self.p2p, self.view, self.spec, peer_id=self.peer_id, config=config,
+                                   metrics=self.metrics, reputation=self.reputation)
         self.ctx = PeerContext(config=config, role=self.role, peer_id=self.peer_id, dht=self.dht, p2p=self.p2p,
                                view=self.view, base_spec=self.base_spec, keeper=self.keeper, metrics=self.metrics,
                                reputation=self.reputation, faults=self.faults, tokens=self.data.tokens)

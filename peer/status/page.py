@@ -66,6 +66,8 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .legend { font-size: 12px; color: #5a6478; display: flex; gap: 14px; margin-left: 58px; }
 .swatch { display: inline-block; width: 22px; vertical-align: middle; margin-right: 5px; }
 .muted { color: #8a93a6; }
+.sample { font: 13px/1.5 monospace; white-space: pre-wrap; }
+.sample .prompt { font-weight: 600; }
 </style></head>
 <body>
 <header><h1>Murmuration swarm health</h1><span class="sub" id="subtitle">loading…</span></header>
@@ -76,6 +78,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
   <div class="plot"><div class="muted">loss (nats/token): training, last stage (solid); held-out, through the pipeline (dashed)</div><svg id="plot-loss" width="100%" height="190" viewBox="0 0 560 190"></svg></div>
   <div class="plot"><div class="muted">tokens/s</div><svg id="plot-throughput" width="100%" height="190" viewBox="0 0 560 190"></svg><div class="legend" id="legend"></div></div>
 </div></section>
+<section id="sample-section" hidden><h2>What the model writes</h2><div class="sample" id="sample"></div></section>
 <section><h2>Peers</h2><table><thead><tr><th>peer</th><th>stage</th><th>state</th><th>role</th><th>version</th>
 <th>tokens/s</th><th>loss</th><th>samples</th><th>step</th><th>sent</th><th>received</th></tr></thead>
 <tbody id="peers"></tbody></table></section>
@@ -199,6 +202,15 @@ function renderLegend(numStages) {
   document.getElementById("legend").replaceChildren(...items);
 }
 
+function renderSample(sample) {
+  document.getElementById("sample-section").hidden = !sample;
+  if (!sample) return;
+  const age = Math.round(sample.age_s / 60);
+  document.getElementById("sample").replaceChildren(
+    el("span", {class: "prompt"}, sample.prompt), el("span", {}, sample.text),
+    el("div", {class: "muted"}, "step " + sample.step + " · " + (age < 1 ? "less than a minute" : age + " min") + " ago · the newest state of every stage, a fixed prompt and seed"));
+}
+
 function render(doc) {
   const local = doc.local;
   const who = local ? "served by peer " + shortId(local.peer_id) + " (" + (local.activity || "stage " + local.stage + ", " + local.state) + ")" : "served by the bootstrap";
@@ -215,6 +227,7 @@ function render(doc) {
     color: STAGE_COLORS[k % STAGE_COLORS.length], width: 1.5}));
   plot("plot-throughput", times, [...perStage, {values: doc.history.map(p => p.tokens_per_s), color: "#111", width: 2, dash: "6 4"}]);
   renderLegend(doc.num_stages);
+  renderSample(doc.sample);
   document.body.setAttribute("data-rendered", "yes");
 }
 

@@ -46,6 +46,7 @@ class StatusSource:
         snapshot: this peer's newest :class:`PeerSnapshot`, or None on a bootstrap.
         history: this peer's recent counters (its rates), or None.
         owned_view: a swarm view the service starts and shuts down with itself (the bootstrap's).
+        sample: the newest sample of the model's text (``peer.model_sample.SampleLoop.document``), or None.
     """
 
     run_id: str
@@ -54,6 +55,7 @@ class StatusSource:
     snapshot: Callable[[], PeerSnapshot] | None = None
     history: Callable[[], StatusHistory | None] = lambda: None
     owned_view: SwarmView | None = None
+    sample: Callable[[], dict[str, Any] | None] = lambda: None
 
     def local(self) -> dict[str, Any] | None:
         """This peer's :func:`peer.status.local.local_status`, or None on a bootstrap."""
@@ -90,7 +92,7 @@ class StatusService:
         return swarm_status(
             run_id=self.source.run_id, records=self.source.records(), stage_flops=stage_flops,
             seq_len=spec.model.seq_len if spec is not None else 0, history=self.history,
-            local=self.source.local(), now=time.time())
+            local=self.source.local(), now=time.time(), sample=self.source.sample())
 
     async def start(self) -> None:
         if not self.port and self.terminal is None:

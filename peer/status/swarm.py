@@ -102,13 +102,14 @@ class SwarmHistory:
 
 def swarm_status(
     *, run_id: str, records: Sequence[PeerRecord], stage_flops: Sequence[float], seq_len: int,
-    history: SwarmHistory, local: dict[str, Any] | None, now: float,
+    history: SwarmHistory, local: dict[str, Any] | None, now: float, sample: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``/status.json`` document: what the health page draws and the terminal view prints.
 
     Keys: run_id, time, num_stages, local (the serving peer's :func:`peer.status.local.local_status`, or
     None on a bootstrap), totals (:func:`swarm_totals`), stages and bottleneck (:func:`stage_map`),
-    peers (:func:`peer_rows`), history (:meth:`SwarmHistory.points`).
+    peers (:func:`peer_rows`), history (:meth:`SwarmHistory.points`), sample (the newest continuation
+    of a fixed prompt by the whole model, ``peer.model_sample``: prompt, text, step, age_s; or None).
     """
     mapped = stage_map(records, stage_flops=stage_flops, seq_len=seq_len)
     return {
@@ -121,6 +122,7 @@ def swarm_status(
         "bottleneck": mapped["bottleneck"],
         "peers": peer_rows(records, seq_len=seq_len),
         "history": history.points(),
+        "sample": sample,
     }
 
 

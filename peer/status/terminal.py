@@ -74,6 +74,7 @@ def render_terminal_view(doc: dict[str, Any], *, color: bool = False) -> str:
     lines.append("")
     lines.append(paint(_BOLD, "stage map") + f"  ({doc['totals']['num_training']} of {doc['totals']['num_peers']} peers training)")
     lines += _stage_lines(doc, local, paint)
+    lines += _sample_lines(doc.get("sample"), paint)
     for key, label in (("sync", "state download"), ("checkpoint", "checkpoint write")):
         work = local.get(key)
         if work and not work.get("finished") and work.get("total_bytes"):
@@ -83,6 +84,15 @@ def render_terminal_view(doc: dict[str, Any], *, color: bool = False) -> str:
             lines.append(f"{label} {progress_bar(done / total)} {100 * done / total:3.0f}%  "
                          f"{format_bytes(done)} / {format_bytes(total)}  {eta}")
     return "\n".join(lines)
+
+
+def _sample_lines(sample: dict[str, Any] | None, paint: Any, width: int = 100) -> list[str]:
+    """The newest sample of the model's text, on one line (newlines shown as ⏎), cut to ``width``."""
+    if not sample:
+        return []
+    text = (sample["prompt"] + sample["text"]).replace("\n", "⏎")
+    return ["", paint(_BOLD, "the model writes") + f"  (step {sample['step']}, {format_duration(sample['age_s'])} ago)",
+            "  " + (text if len(text) <= width else text[: width - 1] + "…")]
 
 
 def _title_line(doc: dict[str, Any], local: dict[str, Any], paint: Any) -> str:

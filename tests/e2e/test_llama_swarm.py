@@ -1,23 +1,56 @@
 """The llama family trains in a real swarm on prepared data: a bootstrap publishing a Llama-style run
 (RMSNorm, rotary positions, SwiGLU, grouped-query attention) on a pre-tokenized token shard and its
 BPE tokenizer, and two run_peer.py processes, one per stage: one obtains the tokenizer from the
-swarm, the other is given the file; a peer given another tokenizer is refused in one sentence; the
-loss falls."""
+swarm, the other is given the file; the loss falls; the bootstrap's health page and a peer's show what the
+model writes after a fixed prompt; the live swarm exports to a folder transformers
+loads and generates from; a peer given another tokenizer is refused in one sentence."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
 from peer.harness.local_swarm import REPO_ROOT, wait_for
+from tests.e2e.test_status_page import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 LOSS_WINDOW = 20
 MICROBATCHES = 150
+
+
+def status(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def page(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as response:
+        return response.read().decode()
+
+
+def export_live(bootstrap: str, out) -> str:
+    """``python -m peer.export --bootstrap``: the newest state of every stage, pulled from the live
+    swarm by a visitor that takes no part in training."""
+    done = subprocess.run([sys.executable, "-m", "peer.export", "--bootstrap", bootstrap, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def generate(folder, prompt: str) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+    inputs = tokenizer(prompt, return_tensors="pt").input_ids
+    output = model.generate(inputs, max_new_tokens=8, do_sample=False)
+    assert output.shape[1] > inputs.shape[1]
+    return tokenizer.decode(output[0, inputs.shape[1]:])
 
 
 def prepare_shard(tmp_path) -> tuple[str, str]:
@@ -36,9 +69,12 @@ def prepare_shard(tmp_path) -> tuple[str, str]:
 
 def test_a_llama_run_on_a_token_shard_trains_across_two_stages_and_its_loss_falls(local_swarm, tmp_path):
     shard, tokenizer = prepare_shard(tmp_path)
-    local_swarm.start_bootstrap("--model-family", "llama", "--num-heads", "4", "--num-kv-heads", "2",
-                                "--data", shard, "--tokenizer", tokenizer)
-    peers = [local_swarm.start_peer("--num-threads", "1", "--stage", "0", "--rebalance-period", "0", "--data", shard),
+    bootstrap_port, peer_port = free_port(), free_port()
+    maddrs = local_swarm.start_bootstrap("--model-family", "llama", "--num-heads", "4", "--num-kv-heads", "2",
+                                         "--data", shard, "--tokenizer", tokenizer, "--status-port", str(bootstrap_port),
+                                         "--sample-period", "5")
+    peers = [local_swarm.start_peer("--num-threads", "1", "--stage", "0", "--rebalance-period", "0", "--data", shard,
+                                    "--status-port", str(peer_port), "--sample-period", "5"),
              local_swarm.start_peer("--num-threads", "1", "--stage", "1", "--rebalance-period", "0", "--data", shard,
                                     "--tokenizer", tokenizer)]
     last = peers[1]
@@ -56,6 +92,17 @@ def test_a_llama_run_on_a_token_shard_trains_across_two_stages_and_its_loss_fall
     first, final = statistics.mean(seen[:LOSS_WINDOW]), statistics.mean(seen[-LOSS_WINDOW:])
     print(f"llama 1 + 1 on a token shard: loss {first:.3f} -> {final:.3f} over {len(seen)} microbatches")
     assert final < first - 0.5, f"loss {first:.3f} -> {final:.3f}"
+
+    # what the model writes, on the bootstrap's health page (by default) and a peer's (--sample-period)
+    for port in (bootstrap_port, peer_port):
+        wait_for(lambda: status(port)["sample"] is not None, 60, f"a sample of the model's text on port {port}")
+        sample = status(port)["sample"]
+        assert sample["prompt"] == "The " and sample["step"] > 0 and isinstance(sample["text"], str), sample
+        assert "What the model writes" in page(port)
+
+    exported = export_live(maddrs[0], tmp_path / "hf")
+    assert re.search(r"exported run demo \(llama, [\d,]+ parameters; stage 0 step \d+, stage 1 step \d+\)", exported), exported
+    assert generate(tmp_path / "hf", "def ")
 
     wrong = tmp_path / "other.json"
     wrong.write_bytes(open(tokenizer, "rb").read().replace(b'"<|endoftext|>"', b'"<|end|>"', 1))

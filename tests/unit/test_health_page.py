@@ -40,3 +40,12 @@ def test_hostile_strings_stay_data():
     assert inline_data(page)["local"]["peer_id"] == HOSTILE
     assert "innerHTML" not in page  # the page inserts data with textContent only
     assert "<" not in embed_json({"x": "<>&"})
+
+
+def test_the_sample_section_shows_only_with_a_sample_and_its_text_stays_data():
+    doc = make_doc()
+    assert inline_data(render_health_page(doc))["sample"] is None
+    doc["sample"] = {"prompt": "The ", "text": HOSTILE, "step": 3, "age_s": 5.0}
+    page = render_health_page(doc)
+    assert 'id="sample-section" hidden' in page and "renderSample(doc.sample)" in page
+    assert HOSTILE not in page and inline_data(page)["sample"]["text"] == HOSTILE

@@ -82,6 +82,6 @@ def test_status_document_shape_is_strict_json():
     records = [record("a", 0), record("b", 1, loss=2.0)]
     doc = swarm_status(run_id="demo", records=records, stage_flops=[1e6, 1e6], seq_len=SEQ_LEN, history=history,
                        local={"peer_id": "a"}, now=1234.5)
-    assert set(doc) == {"run_id", "time", "num_stages", "local", "totals", "stages", "bottleneck", "peers", "history"}
+    assert set(doc) == {"run_id", "time", "num_stages", "local", "totals", "stages", "bottleneck", "peers", "history", "sample"}
     assert doc["num_stages"] == 2 and doc["local"] == {"peer_id": "a"} and len(doc["peers"]) == 2
     assert json.loads(json.dumps(doc, allow_nan=False)) == doc

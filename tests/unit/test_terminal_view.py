@@ -89,3 +89,14 @@ def test_the_title_says_what_the_peer_does_when_it_knows():
     waiting = {**LOCAL, "activity": "waiting: stage 0 has no holder"}
     text = render_terminal_view(make_doc(local=waiting))
     assert "stage 1 of 2 · waiting: stage 0 has no holder · v0.1.0" in text
+
+
+def test_view_shows_the_newest_sample_of_the_models_text_on_one_line():
+    doc = make_doc()
+    assert "the model writes" not in render_terminal_view(doc)  # none yet
+    doc["sample"] = {"prompt": "The ", "text": "model\nwrites " + "words " * 40, "step": 12, "age_s": 90.0}
+    lines = render_terminal_view(doc).splitlines()
+    heading = next(i for i, line in enumerate(lines) if line.startswith("the model writes"))
+    assert lines[heading] == "the model writes  (step 12, 0:01:30 ago)"
+    assert lines[heading + 1].startswith("  The model⏎writes words") and lines[heading + 1].endswith("…")
+    assert len(lines[heading + 1]) == 102
