@@ -65,7 +65,7 @@ def test_run_on_own_files_without_data(local_swarm, tmp_path):
     local_swarm.start_bootstrap("--data", str(corpus))
     result, _ = run_peer("--bootstrap", *local_swarm.maddrs, "--join-timeout", "20")
     assert result.returncode == 2
-    assert "Cannot load the training data: this run trains on its own text files" in result.stderr
+    assert "Cannot load the training data: this run trains on its own data files" in result.stderr
     other = tmp_path / "other.txt"
     other.write_text("something else entirely. " * 400)
     result, _ = run_peer("--bootstrap", *local_swarm.maddrs, "--join-timeout", "20", "--data", str(other))
