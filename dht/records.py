@@ -51,6 +51,7 @@ MODEL_FAMILIES = ("gpt", "llama")
 # its checkpoints' spec digest, peer/checkpoint.py) reads as before they existed
 MODEL_WIRE_DEFAULTS = {"family": "gpt", "num_kv_heads": 0, "ffn_dim": 0}
 TOKENIZER_PATTERN = r"bytes|bpe:[0-9a-f]{64}"  # a run spec's tokenizer (swarm.tokenizer)
+PRECISIONS = ("fp32", "bf16")  # how a run's stages compute (RunSpec.precision)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +169,12 @@ class RunSpec:
         tokenizer: ``"bytes"`` (every byte a token; the default) or ``"bpe:<sha256>"``, a BPE
             ``tokenizer.json`` named by its hash (``swarm.tokenizer``): peers obtain the file from
             the swarm and refuse any other. Left out of the wire form when it is bytes.
+        precision: how every replica computes (``PRECISIONS``): ``"fp32"`` (the default), or
+            ``"bf16"``: forwards and backwards under bf16 autocast on any device, fp32 master weights
+            and AdamW moments, activations and their gradients sent in bf16 (half the bytes). A run
+            property, not a peer's choice: spot checks compare replicas' outputs strictly, and a bf16
+            replica's differ from an fp32 one's by far more than float reassociation. Left out of
+            the wire form when it is fp32.
         seed: the seed of deterministic initialisation and of data order.
         protocol_version: bumped when the wire protocol changes incompatibly.
         layout_version: 0 in the published spec. A peer that trains under a layout re-planned after a
@@ -189,6 +196,7 @@ class RunSpec:
     averaging_period: float = 15.0
     dataset: str = "builtin:pydoc"
     tokenizer: str = "bytes"
+    precision: str = "fp32"
     seed: int = 0
     protocol_version: int = PROTOCOL_VERSION
     layout_version: int = 0
@@ -212,6 +220,8 @@ class RunSpec:
             raise ValueError(f"dataset must be 'builtin:pydoc' or 'files:<sha256>', got {self.dataset!r}")
         if not isinstance(self.tokenizer, str) or not re.fullmatch(TOKENIZER_PATTERN, self.tokenizer):
             raise ValueError(f"tokenizer must be 'bytes' or 'bpe:<sha256>', got {self.tokenizer!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
     @property
     def num_stages(self) -> int:
@@ -234,8 +244,9 @@ class RunSpec:
         for key, default in MODEL_WIRE_DEFAULTS.items():
             if wire["model"][key] == default:
                 del wire["model"][key]
-        if wire["tokenizer"] == "bytes":  # the first round's wire form, and its spec hashes
-            del wire["tokenizer"]
+        for key, default in (("tokenizer", "bytes"), ("precision", "fp32")):  # the first round's wire form and hashes
+            if wire[key] == default:
+                del wire[key]
         return wire
 
     @classmethod
@@ -265,7 +276,7 @@ class RunSpec:
             f"layers={m.num_layers} heads={m.num_heads}{f'/{m.kv_heads} kv' if m.kv_heads != m.num_heads else ''} "
             f"seq_len={m.seq_len}, {self.num_stages} stages {list(self.stage_layers)}, "
             f"dataset {self.dataset}, {'byte' if self.tokenizer == 'bytes' else 'BPE'} tokens "
-            f"(vocabulary {m.vocab_size}), seed {self.seed}"
+            f"(vocabulary {m.vocab_size}), {self.precision}, seed {self.seed}"
         )
 
 

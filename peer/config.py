@@ -176,6 +176,7 @@ class BootstrapConfig:
     data: tuple[str, ...] = field(default=(), metadata=_help("files to train on: text, JSON Lines (.jsonl, a \"text\" field), Parquet (.parquet, a text column) or token shards (.bin, from python -m peer.prepare_data) (default: Python's built-in documentation)"))
     tokenizer: str = field(default="bytes", metadata=_help("bytes (every byte a token), bpe (train a byte-level BPE tokenizer on the data, offline) or the path of a tokenizer.json; peers obtain it from the swarm, pinned by its hash"))
     vocab_size: int = field(default=4096, metadata=_help("with --tokenizer bpe: the vocabulary to train"))
+    precision: str = field(default="fp32", metadata=_help("how every peer computes: fp32, or bf16 (autocast on any device; fp32 master weights and AdamW moments; activations and gradients sent in bf16, half the bytes): the usual choice for a swarm of GPUs"))
     spec_refresh_period: float = field(default=60.0, metadata=_help("seconds between re-publications of the run spec"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
     status_port: int = field(default=0, metadata=_help("serve the swarm health page (/), /status.json and Prometheus /metrics on this TCP port (0: off)"))

@@ -8,6 +8,14 @@ The model code is single-device (nanoGPT shape); pipelining is applied on top by
 its own slice of blocks. Stage 0 holds the token embedding (and, for gpt, the position embedding),
 the last stage the final norm and the output head (untied, so that stages share no parameters).
 
+Activation checkpointing (``checkpoint_activations``; the peer's ``--activation-checkpointing``): a
+block keeps only its input for the backward and recomputes the rest when the gradient comes back,
+so a stage holds ``d_model`` floats per token per block for each in-flight microbatch instead of a
+block's whole set of saved activations (``peer.memory_model`` counts both), for about one more forward
+of compute. The recompute runs on the very weight tensors the forward used, passed in explicitly:
+:class:`swarm.stage.Stage` forwards through ``functional_call`` on a weight version, and by the time
+the gradient returns the module holds its master parameters again.
+
 Initialisation is deterministic per layer: block ``i`` is initialised from a generator seeded with
 ``(run seed, i)``, so the first peer of a stage builds exactly the weights every other peer would
 build, whatever the partition and whichever device.
@@ -20,6 +28,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from dht.records import ModelSpec, RunSpec
 
@@ -115,14 +125,16 @@ class StageModel(nn.Module):
 
     Stage 0 takes token ids ``(batch, seq)`` int64; other stages take activations
     ``(batch, seq, d_model)``. The last stage returns logits, the others activations.
+    ``checkpoint_activations``: recompute each block in the backward (the module docstring).
     """
 
-    def __init__(self, spec: RunSpec, stage: int) -> None:
+    def __init__(self, spec: RunSpec, stage: int, *, checkpoint_activations: bool = False) -> None:
         super().__init__()
         if not 0 <= stage < spec.num_stages:
             raise ValueError(f"stage {stage} is not one of the run's {spec.num_stages} stages")
         model = spec.model
         self.stage = stage
+        self.checkpoint_activations = checkpoint_activations
         self.is_first = stage == 0
         self.is_last = stage == spec.num_stages - 1
         llama = model.family == "llama"
@@ -151,11 +163,24 @@ class StageModel(nn.Module):
             x = self.tok_emb(inputs)
             if hasattr(self, "pos_emb"):
                 x = x + self.pos_emb(torch.arange(inputs.shape[1], device=inputs.device))
+        recompute = self.checkpoint_activations and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = _checkpointed(block, x) if recompute else block(x)
         if self.is_last:
             x = self.head(self.ln_f(x))
         return x
+
+
+def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)`` keeping only ``x`` (and references to the weights) for the backward. The weights
+    are read now and handed to the recompute, which must not read the module later (see the module
+    docstring). No dropout anywhere: no random state to preserve."""
+    names, weights = zip(*block.named_parameters())
+
+    def run(inputs: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        return functional_call(block, dict(zip(names, tensors)), (inputs,))
+
+    return checkpoint(run, x, *weights, use_reentrant=False, preserve_rng_state=False)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -217,6 +242,24 @@ def block_matmul_params(model: ModelSpec) -> int:
         kv = model.kv_heads * model.head_dim
         return 2 * d * d + 2 * d * kv + 3 * d * ffn  # q and o; k and v; gate, up and down
     return 4 * d * d + 2 * d * ffn  # qkv and proj; fc and fc_proj
+
+
+def activation_dtype(spec: RunSpec) -> torch.dtype:
+    """The dtype of activations and their gradients between stages: bf16 in a bf16 run."""
+    return torch.bfloat16 if spec.precision == "bf16" else torch.float32
+
+
+def stage_forward(model: StageModel, weights: dict[str, torch.Tensor], inputs: torch.Tensor, *,
+                  precision: str) -> torch.Tensor:
+    """``model``'s forward on ``weights`` (fp32 masters) as the run's precision computes it. Under
+    "bf16": inside bf16 autocast (matmuls in bf16, reductions and norms as autocast keeps them), the
+    activations rounded to bf16 (what the wire carries, so a spot check fingerprints what was sent)
+    and the logits back to fp32 for the loss. The rounding is differentiable: the backward sees it."""
+    if precision != "bf16":
+        return functional_call(model, weights, (inputs,))
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16):
+        outputs = functional_call(model, weights, (inputs,))
+    return outputs.float() if model.is_last else outputs.to(torch.bfloat16)
 
 
 def _init_from_seed(seed: int, modules: list[nn.Module], *, num_layers: int = 1,

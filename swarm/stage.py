@@ -40,11 +40,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
-from torch.func import functional_call
 
 from dht.records import RunSpec
 from dht.rpc import Declined
-from swarm.model import StageModel, next_token_loss
+from swarm.model import StageModel, next_token_loss, stage_forward
 from swarm import stage_state
 from swarm.stage_state import StageCounters
 from swarm.spot_check import output_fingerprint
@@ -62,12 +61,12 @@ class StageClosedError(Declined):
 class Stage:
     """A stage replica: master parameters, optimizer, the current weight version and held graphs."""
 
-    def __init__(self, spec: RunSpec, stage: int, *, device: torch.device) -> None:
-        self.spec = spec
-        self.index = stage
-        self.device = device
-        self.model = StageModel(spec, stage).to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    def __init__(self, spec: RunSpec, stage: int, *, device: torch.device, checkpoint_activations: bool = False) -> None:
+        self.spec, self.index, self.device = spec, stage, device
+        # checkpoint_activations: keep only block inputs per held graph, recompute in the backward (swarm.model)
+        self.model = StageModel(spec, stage, checkpoint_activations=checkpoint_activations).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
+                                           fused=device.type == "cuda")  # one kernel per step on a GPU
         self._init_optimizer_state()
         self.snapshot: tuple[int, dict[str, torch.Tensor]] | None = None  # state frozen at the last averaging round
         self.loaded_from: tuple[str, ...] = ()  # peers whose state it loaded: StageAverager.loaded_from
@@ -417,7 +416,7 @@ class Stage:
         self._weights = {n: p.detach().clone().requires_grad_(True) for n, p in self.model.named_parameters()}
 
     def _outputs(self, weights: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
-        outputs = functional_call(self.model, weights, (inputs,))
+        outputs = stage_forward(self.model, weights, inputs, precision=self.spec.precision)
         return outputs if self.output_fault is None else self.output_fault(outputs)
 
     def _forward_sync(self, mb_id: str, inputs: torch.Tensor) -> torch.Tensor:
@@ -445,7 +444,7 @@ class Stage:
 
     def _evaluate_sync(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | float:
         with torch.no_grad():
-            outputs = functional_call(self.model, self._weights, (inputs.to(self.device),))
+            outputs = stage_forward(self.model, self._weights, inputs.to(self.device), precision=self.spec.precision)
             if targets is None:
                 return outputs.cpu()
             return float(next_token_loss(outputs, targets.to(self.device)))

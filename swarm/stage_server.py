@@ -39,6 +39,7 @@ from dht.reputation import Reputation
 from dht.rpc import REFUSAL_LOG, REQUEST_OUTCOMES, Declined, forward_handler, send_reply, serve_request
 from dht.wire import ProtocolError, require_tensor
 from swarm.admission import NOT_MEMBER, Admission
+from swarm.model import activation_dtype
 from swarm.router import Router
 from swarm.stage import Stage
 from swarm.task_pool import MicrobatchLedger
@@ -208,7 +209,7 @@ class StageServer:
         spec, stage = self.stage.spec, self.stage
         if len(tensors) != 2:
             raise ProtocolError(f"a forward request carries 2 tensors (activations, targets), got {len(tensors)}")
-        activations = require_tensor(tensors, 0, dtype=torch.float32, shape=stage.input_shape(batch_size), name="activations")
+        activations = require_tensor(tensors, 0, dtype=activation_dtype(spec), shape=stage.input_shape(batch_size), name="activations")
         targets = require_tensor(tensors, 1, dtype=torch.int64, shape=(batch_size, spec.model.seq_len), name="targets")
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= spec.model.vocab_size):
             raise ProtocolError("targets hold token ids outside the vocabulary")
@@ -241,7 +242,7 @@ class StageServer:
             request = {"mb_id": mb_id, "route": route, "batch_size": batch_size, **({"path": path} if path else {}),
                        **({"batch": batch} if batch is not None else {})}
             reply, reply_tensors = await self.router.forward(request, [outputs, targets])
-            grad_outputs = require_tensor(reply_tensors, 0, dtype=torch.float32, shape=tuple(outputs.shape), name="gradient")
+            grad_outputs = require_tensor(reply_tensors, 0, dtype=activation_dtype(spec), shape=tuple(outputs.shape), name="gradient")
             reply_route = reply.get("route")
             if not isinstance(reply_route, list) or reply_route[:len(route)] != route:
                 raise ProtocolError(f"the next stage answered {mb_id} with a route that does not extend ours")

@@ -1,6 +1,6 @@
 """The llama family trains in a real swarm on prepared data: a bootstrap publishing a Llama-style run
-(RMSNorm, rotary positions, SwiGLU, grouped-query attention) on a pre-tokenized token shard and its
-BPE tokenizer, and two run_peer.py processes, one per stage: one obtains the tokenizer from the
+(RMSNorm, rotary positions, SwiGLU, grouped-query attention) in bf16 (autocast on the CPU here;
+activations and gradients travel in bf16) on a pre-tokenized token shard and its BPE tokenizer, and two run_peer.py processes, one per stage: one obtains the tokenizer from the
 swarm, the other is given the file; the loss falls; the bootstrap's health page and a peer's show what the
 model writes after a fixed prompt; the live swarm exports to a folder transformers
 loads and generates from; a peer given another tokenizer is refused in one sentence."""
@@ -72,7 +72,7 @@ def test_a_llama_run_on_a_token_shard_trains_across_two_stages_and_its_loss_fall
     bootstrap_port, peer_port = free_port(), free_port()
     maddrs = local_swarm.start_bootstrap("--model-family", "llama", "--num-heads", "4", "--num-kv-heads", "2",
                                          "--data", shard, "--tokenizer", tokenizer, "--status-port", str(bootstrap_port),
-                                         "--sample-period", "5")
+                                         "--sample-period", "5", "--precision", "bf16")
     peers = [local_swarm.start_peer("--num-threads", "1", "--stage", "0", "--rebalance-period", "0", "--data", shard,
                                     "--status-port", str(peer_port), "--sample-period", "5"),
              local_swarm.start_peer("--num-threads", "1", "--stage", "1", "--rebalance-period", "0", "--data", shard,
@@ -86,7 +86,7 @@ def test_a_llama_run_on_a_token_shard_trains_across_two_stages_and_its_loss_fall
              f"{MICROBATCHES} microbatches through the llama pipeline")
     assert all(p.is_alive() for p in peers), local_swarm.logs()
     log = last.log_path.read_text()
-    assert "run spec: run demo: Llama d_model=128 layers=4 heads=4/2 kv" in log and "BPE tokens (vocabulary 1024)" in log, log[:2000]
+    assert "run spec: run demo: Llama d_model=128 layers=4 heads=4/2 kv" in log and "BPE tokens (vocabulary 1024), bf16" in log, log[:2000]
     assert "obtained the run's tokenizer" in peers[0].log_path.read_text()
     seen = losses()
     first, final = statistics.mean(seen[:LOSS_WINDOW]), statistics.mean(seen[-LOSS_WINDOW:])

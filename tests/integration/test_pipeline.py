@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from dht.registry import declare_peer
 from swarm.data import TokenSampler, load_corpus
-from swarm.model import StageModel, next_token_loss
+from swarm.model import StageModel, next_token_loss, stage_forward
 from swarm.router import NoPeerAvailableError, Router
 from dht.rpc import RemoteError, call_peer, forward_handler
 from swarm.stage import Stage
@@ -29,10 +30,10 @@ def sampler() -> TokenSampler:
     return TokenSampler(load_corpus(SPEC.dataset).text(), seq_len=SPEC.model.seq_len, seed=3)
 
 
-async def serve_last_stage(dht, validator) -> tuple[Stage, StageServer, str]:
+async def serve_last_stage(dht, validator, spec: RunSpec = SPEC) -> tuple[Stage, StageServer, str]:
     p2p = await dht.replicate_p2p()
     peer_id = dht.peer_id.to_base58()
-    stage = Stage(SPEC, 1, device=CPU)
+    stage = Stage(spec, 1, device=CPU)
     server = StageServer(p2p, stage, peer_id=peer_id, router=None, request_timeout=10, max_payload_bytes=MAX_PAYLOAD)
     await server.start()
     record = PeerRecord(peer_id=peer_id, role="reliable", state="training", stage=1, flops=1e9)
@@ -40,13 +41,13 @@ async def serve_last_stage(dht, validator) -> tuple[Stage, StageServer, str]:
     return stage, server, peer_id
 
 
-async def first_stage_trainer(dht) -> tuple[Stage, Trainer, Router]:
+async def first_stage_trainer(dht, spec: RunSpec = SPEC) -> tuple[Stage, Trainer, Router]:
     p2p = await dht.replicate_p2p()
-    view = SwarmView(dht, SPEC.run_id)
+    view = SwarmView(dht, spec.run_id)
     await view.refresh()
-    router = Router(p2p, view, run_id=SPEC.run_id, next_stage=1, next_stage_flops=1.0, request_timeout=10,
+    router = Router(p2p, view, run_id=spec.run_id, next_stage=1, next_stage_flops=1.0, request_timeout=10,
                     max_payload_bytes=MAX_PAYLOAD, rng=random.Random(0))
-    stage = Stage(SPEC, 0, device=CPU)
+    stage = Stage(spec, 0, device=CPU)
     return stage, Trainer(stage, sampler(), router, peer_id=dht.peer_id.to_base58(), max_in_flight=1), router
 
 
@@ -70,6 +71,45 @@ def test_remote_pipeline_gradients_equal_local_autograd(dht_nodes):
                 torch.testing.assert_close(grads[name], q.grad, rtol=1e-4, atol=1e-6, msg=name)
         assert stage1.counters.num_samples == stage0.counters.num_samples == SPEC.microbatch_size
         assert events[0]["route"] == [[dht0.peer_id.to_base58(), 0, 0], [peer1, 1, 0]]
+
+    asyncio.run(main())
+
+
+def test_a_bf16_run_sends_bf16_activations_keeps_fp32_masters_and_matches_local_bf16_autograd(dht_nodes):
+    """precision "bf16": stage 0's activations travel in bf16 (an fp32 tensor is refused), the
+    gradients land on fp32 master weights, and they equal local autograd through the same bf16
+    forward (swarm.model.stage_forward) and stay close to the fp32 ones."""
+    _, (dht0, _), (dht1, v1) = dht_nodes
+    spec = dataclasses.replace(SPEC, precision="bf16")
+
+    async def main():
+        stage1, _, peer1 = await serve_last_stage(dht1, v1, spec)
+        stage0, trainer, _ = await first_stage_trainer(dht0, spec)
+        loss = await trainer.run_microbatch()
+        inputs, targets = sampler().sample(spec.microbatch_size)
+        reference = [StageModel(spec, 0), StageModel(spec, 1)]
+        weights = [dict(m.named_parameters()) for m in reference]
+        hidden = stage_forward(reference[0], weights[0], inputs, precision="bf16")
+        assert hidden.dtype == torch.bfloat16
+        logits = stage_forward(reference[1], weights[1], hidden, precision="bf16")
+        assert logits.dtype == torch.float32
+        expected = next_token_loss(logits, targets)
+        expected.backward()
+        assert loss == pytest.approx(expected.item(), rel=1e-3)
+        fp32 = [StageModel(SPEC, 0), StageModel(SPEC, 1)]
+        next_token_loss(fp32[1](fp32[0](inputs)), targets).backward()
+        for remote, local, exact in ((stage0, reference[0], fp32[0]), (stage1, reference[1], fp32[1])):
+            grads = remote.accumulated_gradients()
+            for name, q in local.named_parameters():
+                assert grads[name].dtype == torch.float32 and dict(remote.model.named_parameters())[name].dtype == torch.float32
+                torch.testing.assert_close(grads[name], q.grad, rtol=2e-2, atol=1e-4, msg=name)
+                cosine = torch.nn.functional.cosine_similarity(grads[name].flatten(), dict(exact.named_parameters())[name].grad.flatten(), dim=0)
+                assert cosine > 0.98, (name, float(cosine))
+        with pytest.raises(RemoteError, match="activations"):  # fp32 activations in a bf16 run
+            await call_peer(await dht0.replicate_p2p(), peer1, forward_handler(spec.run_id),
+                            {"mb_id": "x", "route": [["someone", 0, 0]], "batch_size": 4},
+                            [torch.zeros(4, 16, 32), torch.zeros(4, 16, dtype=torch.int64)], timeout=10,
+                            max_payload_bytes=MAX_PAYLOAD)
 
     asyncio.run(main())
 
