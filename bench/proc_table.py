@@ -90,6 +90,27 @@ def read_rss_kib(pid: int) -> int | None:
         return None
 
 
+def parse_pss_kib(smaps_rollup_text: str) -> int:
+    """Pss of a /proc/<pid>/smaps_rollup, in KiB: the process's resident pages, each shared page
+    divided by the number of processes that map it, so a tree's Pss adds up to what it holds; 0
+    where the line is missing (a kernel thread)."""
+    for line in smaps_rollup_text.splitlines():
+        if line.startswith("Pss:"):
+            value, unit = line.split()[1:3]
+            if unit != "kB":
+                raise ValueError(f"Pss in unexpected unit {unit!r}")
+            return int(value)
+    return 0
+
+
+def read_pss_kib(pid: int) -> int | None:
+    """The process's Pss in KiB (Linux >= 4.14); None if it is gone."""
+    try:
+        return parse_pss_kib((PROC / str(pid) / "smaps_rollup").read_text())
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def read_cmdline(pid: int) -> list[str]:
     """argv of the process; [] if it is gone or a zombie."""
     try:

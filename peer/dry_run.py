@@ -94,7 +94,8 @@ async def dry_run(config: PeerConfig) -> str:
         budget = int(config.max_memory_mb * MIB) if config.max_memory_mb else available_memory_bytes(device)
         source = "--max-memory-mb" if config.max_memory_mb else f"available on {device}"
         plan = plan_join(spec, records, peer_id=peer_id, flops=flops, now=dht_time(), forced_stage=config.stage,
-                         needed_bytes_fn=lambda k: stage_memory_bytes(spec, k, max_in_flight=config.max_in_flight),
+                         needed_bytes_fn=lambda k: stage_memory_bytes(spec, k, max_in_flight=config.max_in_flight,
+                                                                      checkpoint_activations=config.activation_checkpointing),
                          budget_bytes=budget, budget_source=source)
         return format_plan(plan, spec, peer_id=peer_id, flops=flops, device=str(device))
     finally:
@@ -107,7 +108,7 @@ def format_plan(plan: DryRunPlan, spec: RunSpec, *, peer_id: str, flops: float, 
     tokens = spec.model.seq_len
     start, end = spec.stage_layers[plan.stage]
     fit = ("fits" if plan.fits else
-           "does NOT fit: raise --max-memory-mb, free memory, or lower --max-in-flight")
+           "does NOT fit: raise --max-memory-mb, free memory, lower --max-in-flight, or give --activation-checkpointing")
     stages = "; ".join(f"stage {k}: {n} peer{'s' * (n != 1)}, {t * tokens:,.0f} tokens/s"
                        for k, (n, t) in enumerate(zip(plan.peers_per_stage, plan.before, strict=True)))
     return "\n".join([

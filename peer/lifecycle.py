@@ -193,7 +193,7 @@ class Peer:
                                      timeout=self.config.join_timeout)
 
     def _new_stage(self, stage_index: int, device: torch.device) -> Stage:
-        stage = Stage(self.spec, stage_index, device=device)
+        stage = Stage(self.spec, stage_index, device=device, checkpoint_activations=self.config.activation_checkpointing)
         if "scale_updates" in self.faults or "nan_updates" in self.faults:
             scale = float(self.faults.get("scale_updates") or 1)
             inject_bad_updates(stage, scale=scale, nan="nan_updates" in self.faults)
@@ -314,8 +314,8 @@ class Peer:
         self._averaged = (at, digest)
 
     def check_memory(self, stage_index: int, device: torch.device | None = None) -> None:
-        budget = stage_memory_budget(self.spec, stage_index, max_in_flight=self.config.max_in_flight,
-                                     max_memory_mb=self.config.max_memory_mb, device=device or self.stage.device)
+        budget = stage_memory_budget(self.spec, stage_index, max_in_flight=self.config.max_in_flight, max_memory_mb=self.config.max_memory_mb,
+                                     device=device or self.stage.device, checkpoint_activations=self.config.activation_checkpointing)
         self.memory_budget = self.memory_budget or budget  # before this peer held a stage: what it offers re-plans
 
     def toggle_pause(self) -> None:

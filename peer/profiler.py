@@ -1,4 +1,5 @@
-"""Measuring this peer: compute throughput on its device, and the memory a stage would need.
+"""Measuring this peer: compute throughput on its device, and the memory it has for a stage (what a
+stage needs is :mod:`peer.memory_model`'s estimate, imported here for the peer's callers).
 
 Throughput is measured, not declared: one transformer block of the run's shape is timed forward
 and backward on a microbatch (after a warm-up), repeatedly for at least ``MIN_MEASURE_SECONDS``,
@@ -21,13 +22,12 @@ import torch
 
 from dht.records import ModelSpec, RunSpec
 from peer.errors import UserError
-from swarm.model import block_matmul_params, layer_num_params, new_block
+from peer.memory_model import FIXED_OVERHEAD_BYTES, MIB, layer_memory_bytes, stage_memory_bytes
+from swarm.model import block_matmul_params, new_block
 
-MIB = 2**20
+__all__ = ["FIXED_OVERHEAD_BYTES", "MIB", "available_memory_bytes", "layer_memory_bytes", "measure_flops",
+           "resolve_device", "stage_memory_budget", "stage_memory_bytes"]
 
-BYTES_PER_PARAM_TRAINING = 4 * 4  # float32 weight, gradient, and AdamW's two moments
-ACTIVATION_FACTOR = 20  # saved activations per block per token, in units of d_model floats
-FIXED_OVERHEAD_BYTES = 600 * 2**20  # interpreter, torch, hivemind, p2pd
 MIN_MEASURE_SECONDS = 0.5  # measure_flops repeats its trials for at least this long (a window of the machine's load)
 MAX_TRIALS = 200  # a bound on measure_flops' trials, however short each one is
 
@@ -57,25 +57,6 @@ def measure_flops(spec: RunSpec, device: torch.device, *, num_trials: int = 5,
     return flops / max(statistics.median(times), 1e-9)
 
 
-def stage_memory_bytes(spec: RunSpec, stage: int, *, max_in_flight: int) -> int:
-    """Bytes a peer needs to train ``stage``: parameters with optimizer state, activations, overhead."""
-    start, end = spec.stage_layers[stage]
-    return sum(layer_memory_bytes(spec, max_in_flight=max_in_flight)[start:end]) + FIXED_OVERHEAD_BYTES
-
-
-def layer_memory_bytes(spec: RunSpec, *, max_in_flight: int) -> tuple[int, ...]:
-    """Bytes training each block takes on one peer, without the fixed overhead: its parameters with
-    gradients and optimizer state, and its activations for ``max_in_flight`` microbatches. The
-    embeddings count with the first block, the head and its logits with the last
-    (:func:`swarm.model.layer_num_params`). A stage needs its blocks' sum plus ``FIXED_OVERHEAD_BYTES``."""
-    model = spec.model
-    tokens_in_flight = max_in_flight * spec.microbatch_size * model.seq_len
-    activations = tokens_in_flight * ACTIVATION_FACTOR * model.d_model * 4
-    sizes = [params * BYTES_PER_PARAM_TRAINING + activations for params in layer_num_params(spec)]
-    sizes[-1] += tokens_in_flight * model.vocab_size * 4 * 3  # logits, softmax and its gradient
-    return tuple(sizes)
-
-
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory on the device: MemAvailable for CPU, free VRAM for CUDA."""
     if device.type == "cuda":
@@ -98,17 +79,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def stage_memory_budget(spec: RunSpec, stage: int, *, max_in_flight: int, max_memory_mb: float,
-                        device: torch.device) -> int:
+                        device: torch.device, checkpoint_activations: bool = False) -> int:
     """The bytes a peer may use for ``stage`` (``--max-memory-mb``, else what ``device`` has free).
 
     Raises:
         UserError: ``stage`` needs more than that, with what to do about it.
     """
-    needed = stage_memory_bytes(spec, stage, max_in_flight=max_in_flight)
+    needed = stage_memory_bytes(spec, stage, max_in_flight=max_in_flight, checkpoint_activations=checkpoint_activations)
     budget = max_memory_mb * MIB if max_memory_mb else available_memory_bytes(device)
     if needed > budget:
         source = "--max-memory-mb allows" if max_memory_mb else f"{device} has available"
         raise UserError(
             f"Stage {stage} needs about {needed / MIB:.0f} MiB but this peer's budget ({source}) is "
-            f"{budget / MIB:.0f} MiB; raise --max-memory-mb, free memory, or lower --max-in-flight.", exit_code=3)
+            f"{budget / MIB:.0f} MiB; raise --max-memory-mb, free memory, lower --max-in-flight"
+            f"{'' if checkpoint_activations else ', or give --activation-checkpointing'}.", exit_code=3)
     return int(budget)

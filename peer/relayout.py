@@ -48,7 +48,7 @@ from peer.backup import (
     pull_copy,
     serve_backup,
 )
-from peer.profiler import FIXED_OVERHEAD_BYTES, layer_memory_bytes, stage_memory_bytes
+from peer.memory_model import layer_memory_bytes, stage_bound_bytes, stage_overhead_bytes
 from planner.replanning import Layout, MemoryBudgetError, choose_layout, replan_layout
 from planner.stage_choice import StageMember
 from replication.server import ReplicationServer
@@ -189,7 +189,7 @@ def replanned_layout(
     seconds (``RescueWatch.unrescuable``); None otherwise. The caller pings the stage's last holders first.
 
     No member gets more layers than the memory its record offers (:func:`offered_memory`; the
-    layers' needs by :func:`peer.profiler.layer_memory_bytes`, with this peer's ``max_in_flight``).
+    layers' needs by :func:`peer.memory_model.layer_memory_bytes`, with this peer's ``max_in_flight``).
 
     Raises:
         MemoryBudgetError: no split over the surviving stages fits their members' memory.
@@ -201,7 +201,7 @@ def replanned_layout(
                for r in view.records if 0 <= r.stage < spec.num_stages and r.state in MEMBER_STATES]
     replan = replan_layout(spec.stage_layers, layer_flops_per_sample(spec), members,
                            layer_bytes=layer_memory_bytes(spec, max_in_flight=max_in_flight),
-                           overhead_bytes=FIXED_OVERHEAD_BYTES)
+                           overhead_bytes=stage_overhead_bytes(spec, max_in_flight=max_in_flight))
     if replan is None:
         return None
     new_spec = spec.with_layout(spec.layout_version + 1, replan.stage_layers)
@@ -213,10 +213,11 @@ def replanned_layout(
 def offered_memory(record: PeerRecord, spec: RunSpec, *, max_in_flight: int) -> int:
     """The memory ``record``'s peer offers a re-planned stage: its ``memory_bytes``, but at least what
     the stage it trains now needs (it holds that stage already, so a smaller claim is wrong, and it
-    would only serve to make a re-plan impossible); 0 (no limit) when it did not say."""
+    would only serve to make a re-plan impossible; counted as the re-planner counts a stage's need,
+    :func:`peer.memory_model.stage_bound_bytes`); 0 (no limit) when it did not say."""
     if record.memory_bytes <= 0:
         return 0
-    return max(record.memory_bytes, stage_memory_bytes(spec, record.stage, max_in_flight=max_in_flight))
+    return max(record.memory_bytes, stage_bound_bytes(spec, record.stage, max_in_flight=max_in_flight))
 
 
 class LayoutWatch:

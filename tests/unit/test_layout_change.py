@@ -11,7 +11,7 @@ import pytest
 
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from peer.backup import MIN_COMPLETE_READS, RescueWatch
-from peer.profiler import FIXED_OVERHEAD_BYTES, layer_memory_bytes, stage_memory_bytes
+from peer.memory_model import layer_memory_bytes, stage_memory_bytes, stage_overhead_bytes
 from peer.relayout import LayoutWatch, adopted_layout, joiner_layout, new_stage_of, record_layout, replanned_layout
 from planner.replanning import MemoryBudgetError
 from swarm.view import SwarmView
@@ -93,8 +93,9 @@ def test_the_peers_left_replan_once_the_unrescuable_stage_settled() -> None:
 
 def test_a_replan_gives_no_peer_more_layers_than_its_record_offers_memory_for() -> None:
     def room_for(num_layers: int) -> int:
-        """Memory for the last ``num_layers`` blocks (the heaviest: the head's) and the fixed overhead."""
-        return FIXED_OVERHEAD_BYTES + sum(layer_memory_bytes(BASE, max_in_flight=4)[-num_layers:])
+        """Memory for the last ``num_layers`` blocks (the heaviest: the head's) and what any stage needs
+        beyond its blocks (the fixed overhead, held outputs, the backward's working set)."""
+        return stage_overhead_bytes(BASE, max_in_flight=4) + sum(layer_memory_bytes(BASE, max_in_flight=4)[-num_layers:])
 
     # by capacity the faster "c" would take layers 2-5; it offers room for three layers only
     view = view_of([record("a", 0), record("c", 2, flops=2e9, memory_bytes=room_for(3))])

@@ -26,6 +26,7 @@ from bench.proc_table import (
     parse_stat,
     process_table,
     read_cmdline,
+    read_pss_kib,
     read_rss_kib,
     read_stat,
     spawned,
@@ -94,6 +95,14 @@ def test_a_childs_memory_counts_in_its_parents_tree():
         rss = tree_rss_kib(os.getpid(), process_table())
         assert rss[os.getpid()] > 10 * MIB and rss[proc.pid] >= 64 * MIB
     assert read_rss_kib(proc.pid) is None  # gone and reaped
+
+
+def test_a_page_only_one_process_holds_counts_whole_in_its_pss():
+    hold = "import time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(60)"
+    with child(hold) as (proc, _):
+        pss, rss = read_pss_kib(proc.pid), read_rss_kib(proc.pid)
+        assert 64 * MIB <= pss <= rss  # its own 64 MiB whole, the interpreter's shared pages in part
+    assert read_pss_kib(proc.pid) is None
 
 
 GRANDPARENT = """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,12 +17,16 @@ def spec_with(num_layers: int, num_stages: int, **model) -> RunSpec:
                    stage_layers=even_stage_layers(num_layers, num_stages))
 
 
-def test_stage_memory_grows_with_max_in_flight():
-    spec = spec_with(4, 2)
-    for stage in range(2):
-        sizes = [stage_memory_bytes(spec, stage, max_in_flight=n) for n in (1, 2, 4, 16)]
-        assert sizes == sorted(sizes) and len(set(sizes)) == 4
-        assert sizes[0] > FIXED_OVERHEAD_BYTES + stage_num_params(spec, stage) * 4
+def test_stage_memory_grows_with_the_graphs_a_stage_holds():
+    spec = spec_with(4, 2)  # flush, a batch of 64 samples in microbatches of 16
+    first = [stage_memory_bytes(spec, 0, max_in_flight=n) for n in (1, 2, 4, 16)]
+    assert first[0] < first[1] < first[2] == first[3], "under flush no more than a batch is in flight"
+    delayed = dataclasses.replace(spec, pipeline_schedule="delayed", replica_sync="periodic")
+    assert stage_memory_bytes(delayed, 0, max_in_flight=16) > stage_memory_bytes(delayed, 0, max_in_flight=4)
+    # the last stage runs a microbatch's forward, loss and backward in one go: it holds one graph
+    assert len({stage_memory_bytes(spec, 1, max_in_flight=n) for n in (1, 2, 4, 16)}) == 1
+    for stage in range(2):  # weights, the weight version and AdamW's two moments at the least
+        assert stage_memory_bytes(spec, stage, max_in_flight=1) > FIXED_OVERHEAD_BYTES + stage_num_params(spec, stage) * 16
 
 
 def test_stage_memory_grows_with_layers():
