@@ -104,7 +104,8 @@ def single_tokens_per_s(name: str, seconds: float, *, num_threads: int, microbat
     """Train the whole model in this process for ``seconds`` after a warm-up; tokens/s."""
     import torch
 
-    from swarm.model import StageModel, next_token_loss
+    from bench.pipeline_overhead import timed_training
+    from swarm.model import StageModel
 
     torch.set_num_threads(num_threads)
     spec = run_spec(name, num_stages=1, microbatch_size=microbatch_size, max_in_flight=max_in_flight)
@@ -112,22 +113,13 @@ def single_tokens_per_s(name: str, seconds: float, *, num_threads: int, microbat
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     generator = torch.Generator().manual_seed(0)
     shape, vocab = (microbatch_size, spec.model.seq_len + 1), spec.model.vocab_size
-    tokens, started, counting_since = 0, time.monotonic(), None
-    while True:
-        for _ in range(max_in_flight):
-            sequence = torch.randint(0, vocab, shape, generator=generator)
-            (next_token_loss(model(sequence[:, :-1]), sequence[:, 1:]) / max_in_flight).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        now = time.monotonic()
-        if counting_since is None:
-            if now - started >= WARMUP_SECONDS:
-                counting_since = now
-            continue
-        tokens += max_in_flight * microbatch_size * spec.model.seq_len
-        if now - counting_since >= seconds:
-            return tokens / (now - counting_since)
+
+    def draw() -> tuple[torch.Tensor, torch.Tensor]:
+        sequence = torch.randint(0, vocab, shape, generator=generator)
+        return sequence[:, :-1], sequence[:, 1:]
+
+    return timed_training(model, optimizer, draw, per_step=max_in_flight,
+                          tokens_per_step=max_in_flight * microbatch_size * spec.model.seq_len, seconds=seconds)
 
 
 def single_by_threads(name: str, seconds: float, *, microbatch_size: int, max_in_flight: int) -> dict[str, float]:

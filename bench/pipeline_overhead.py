@@ -45,7 +45,7 @@ def single_tokens_per_s(seconds: float, num_threads: int) -> float:
 
     from dht.records import RunSpec
     from swarm.data import TokenSampler, load_corpus
-    from swarm.model import StageModel, next_token_loss
+    from swarm.model import StageModel
 
     torch.set_num_threads(num_threads)
     spec = RunSpec(run_id="bench", stage_layers=((0, 4),))
@@ -53,10 +53,21 @@ def single_tokens_per_s(seconds: float, num_threads: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     sampler = TokenSampler(load_corpus(spec.dataset).text(), seq_len=spec.model.seq_len, seed=0)
     per_step = spec.target_batch_size // spec.microbatch_size
+    return timed_training(model, optimizer, lambda: sampler.sample(spec.microbatch_size), per_step=per_step,
+                          tokens_per_step=spec.target_batch_size * spec.model.seq_len, seconds=seconds)
+
+
+def timed_training(model, optimizer, draw, *, per_step: int, tokens_per_step: int, seconds: float) -> float:
+    """Steps of one process (``per_step`` microbatches from ``draw()``, clipped, AdamW) over and over;
+    tokens/s over ``seconds`` after ``WARMUP_SECONDS``. Shared with bench/model_scale.py."""
+    import torch
+
+    from swarm.model import next_token_loss
+
     tokens, started, counting_since = 0, time.monotonic(), None
     while True:
         for _ in range(per_step):
-            inputs, targets = sampler.sample(spec.microbatch_size)
+            inputs, targets = draw()
             (next_token_loss(model(inputs), targets) / per_step).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -66,7 +77,7 @@ def single_tokens_per_s(seconds: float, num_threads: int) -> float:
             if now - started >= WARMUP_SECONDS:
                 counting_since = now
             continue
-        tokens += spec.target_batch_size * spec.model.seq_len
+        tokens += tokens_per_step
         if now - counting_since >= seconds:
             return tokens / (now - counting_since)
 
