@@ -11,7 +11,7 @@ from dht.records import RunSpec, even_stage_layers
 from peer.bootstrap import build_run_spec, stages_to_fit
 from peer.config import BootstrapConfig
 from peer.profiler import stage_memory_bytes
-from swarm.model import layer_num_params, new_block
+from swarm.model import StageModel, layer_num_params, new_block
 from swarm.presets import PRESETS, preset
 
 
@@ -24,6 +24,27 @@ def test_every_preset_is_a_llama_model_whose_block_has_the_counted_parameters(na
     spec = RunSpec(run_id="p", model=model, stage_layers=((0, model.num_layers),))
     middle = layer_num_params(spec)[1]  # a block with neither the embedding nor the head
     assert sum(p.numel() for p in block.parameters()) == middle
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_builds_one_stage_at_a_time_with_the_same_weights_whatever_the_partition(name):
+    """The first and last layers, the embedding and the head, built in stages of one layer and in
+    stages of two under another cut: the same tensors (each layer is seeded by its index alone)."""
+    model, layers = PRESETS[name], PRESETS[name].num_layers
+    other = ((0, 2), (2, layers - 2), (layers - 2, layers)) if layers > 4 else ((0, 2), (2, layers))
+    cuts = [RunSpec(run_id="p", model=model, stage_layers=((0, 1), (1, layers - 1), (layers - 1, layers))),
+            RunSpec(run_id="p", model=model, stage_layers=other)]
+    with torch.no_grad():
+        firsts = [StageModel(cut, 0) for cut in cuts]
+        assert torch.equal(firsts[0].tok_emb.weight, firsts[1].tok_emb.weight)
+        assert all(torch.equal(a, b) for a, b in zip(firsts[0].blocks[0].state_dict().values(),
+                                                      firsts[1].blocks[0].state_dict().values()))
+        del firsts
+        lasts = [StageModel(cut, cut.num_stages - 1) for cut in cuts]
+        assert torch.equal(lasts[0].head.weight, lasts[1].head.weight)
+        assert all(torch.equal(a, b) for a, b in zip(lasts[0].blocks[0].state_dict().values(),
+                                                      lasts[1].blocks[-1].state_dict().values()))
+        assert not torch.equal(lasts[1].blocks[0].mlp.up_proj.weight, lasts[1].blocks[-1].mlp.up_proj.weight)
 
 
 def test_the_presets_span_the_demo_scale_to_about_a_billion_parameters():
