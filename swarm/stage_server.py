@@ -242,7 +242,7 @@ class StageServer:
             request = {"mb_id": mb_id, "route": route, "batch_size": batch_size, **({"path": path} if path else {}),
                        **({"batch": batch} if batch is not None else {})}
             reply, reply_tensors = await self.router.forward(request, [outputs, targets])
-            grad_outputs = require_tensor(reply_tensors, 0, dtype=activation_dtype(spec), shape=tuple(outputs.shape), name="gradient")
+            grad_outputs = require_tensor(reply_tensors, 0, dtype=activation_dtype(stage.spec), shape=tuple(outputs.shape), name="gradient")
             reply_route = reply.get("route")
             if not isinstance(reply_route, list) or reply_route[:len(route)] != route:
                 raise ProtocolError(f"the next stage answered {mb_id} with a route that does not extend ours")
