@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from dht.registry import declare_peer
 from swarm.data import TokenSampler, load_corpus
-from swarm.model import StageModel, next_token_loss, stage_forward
+from swarm.model import StageModel, activation_dtype, next_token_loss, stage_forward
 from swarm.router import NoPeerAvailableError, Router
 from dht.rpc import RemoteError, call_peer, forward_handler
 from swarm.stage import Stage
@@ -110,6 +111,43 @@ def test_a_bf16_run_sends_bf16_activations_keeps_fp32_masters_and_matches_local_
                             {"mb_id": "x", "route": [["someone", 0, 0]], "batch_size": 4},
                             [torch.zeros(4, 16, 32), torch.zeros(4, 16, dtype=torch.int64)], timeout=10,
                             max_payload_bytes=MAX_PAYLOAD)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_middle_stage_relays_activations_and_gradients_in_the_runs_dtype(dht_nodes, precision):
+    """Three stages, the middle one a StageServer that routes on: its forward goes downstream and
+    the gradient that comes back (checked against the run's dtype) flows upstream to stage 0."""
+    _, (dht0, _), (dht1, v1) = dht_nodes
+    spec = RunSpec(run_id=f"mid{precision}", model=ModelSpec(d_model=32, num_layers=3, num_heads=2, seq_len=16),
+                   stage_layers=((0, 1), (1, 2), (2, 3)), microbatch_size=4, target_batch_size=1000, precision=precision)
+
+    async def main():
+        p2p1, peer1 = await dht1.replicate_p2p(), dht1.peer_id.to_base58()
+        last = Stage(spec, 2, device=CPU)
+        await StageServer(p2p1, last, peer_id=peer1, router=None, request_timeout=10, max_payload_bytes=MAX_PAYLOAD).start()
+        view1 = SwarmView(dht1, spec.run_id)
+        assert await declare_peer(dht1, v1, spec.run_id, PeerRecord(peer_id=peer1, role="reliable", state="training",
+                                                                     stage=2, flops=1e9), ttl=60)
+        await view1.refresh()
+        middle = Stage(spec, 1, device=CPU)
+        p2p0, peer0 = await dht0.replicate_p2p(), dht0.peer_id.to_base58()
+        onward = Router(p2p0, view1, run_id=spec.run_id, next_stage=2, next_stage_flops=1.0, request_timeout=10,
+                        max_payload_bytes=MAX_PAYLOAD, rng=random.Random(0))
+        await StageServer(p2p0, middle, peer_id=peer0, router=onward, request_timeout=10, max_payload_bytes=MAX_PAYLOAD).start()
+        first = Stage(spec, 0, device=CPU)
+        inputs, targets = sampler().sample(spec.microbatch_size)
+        hidden = await first.forward("m1", inputs)
+        assert hidden.dtype == activation_dtype(spec)
+        reply, tensors = await call_peer(p2p1, peer0, forward_handler(spec.run_id),
+                                         {"mb_id": "m1", "route": [[peer1, 0, 0]], "batch_size": spec.microbatch_size},
+                                         [hidden, targets], timeout=10, max_payload_bytes=MAX_PAYLOAD)
+        assert reply["ok"] and math.isfinite(reply["loss"]) and tensors[0].dtype == activation_dtype(spec)
+        assert tensors[0].shape == hidden.shape and bool(tensors[0].abs().sum() > 0)
+        await first.backward("m1", tensors[0])
+        assert middle.counters.num_samples == last.counters.num_samples == spec.microbatch_size
+        assert all(g.abs().sum() > 0 for g in first.accumulated_gradients().values())
 
     asyncio.run(main())
 
