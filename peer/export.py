@@ -35,7 +35,7 @@ from dht.records import RunSpec
 from peer.checkpoint import CheckpointError, checkpoint_path, checkpoint_spec, load_checkpoint
 from peer.config import PeerConfig
 from peer.errors import UserError
-from peer.gather import gather_model
+from peer.gather import gather_model, stage_parameters
 from peer.join import bootstrap_peer_ids, fetch_spec, open_swarm_dht
 from peer.training_data import TOKENIZER_FILE
 from swarm.generation import SAMPLE_PROMPT, continue_text, stage_models
@@ -116,7 +116,7 @@ def load_run_checkpoints(checkpoint_dir: Path, run_id: str) -> tuple[RunSpec, di
                             "a checkpoint.") from None
         except CheckpointError as e:
             raise UserError(f"{e}.") from None
-        parameters[stage] = {name.removeprefix("model."): t for name, t in state.items() if name.startswith("model.")}
+        parameters[stage] = stage_parameters(state)
     return spec, parameters, steps
 
 
