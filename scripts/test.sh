@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_browser.sh  # chromium, for the health page's browser test
+bash scripts/setup_network.sh  # nftables (and gcc, iproute2), for the emulated internet's tests
 # two workers (MURMURATION_TEST_WORKERS): one e2e test leaves much of two cores idle (its peers wait on
 # one another and on the network), so two side by side finish sooner (README, "Tests"); tests marked
 # with one xdist_group (the network-namespace ones) run on one worker, one after another

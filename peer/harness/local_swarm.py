@@ -81,12 +81,15 @@ class LocalSwarm:
         self.peers: list[LocalProcess] = []
         self.maddrs: list[str] = []
 
-    def start_bootstrap(self, *args: str, timeout: float = 60.0) -> list[str]:
-        """Start run_bootstrap.py and wait until it wrote its multiaddrs; returns them."""
+    def start_bootstrap(self, *args: str, timeout: float = 60.0, host: str | None = None,
+                        command_prefix: Sequence[str] = ()) -> list[str]:
+        """Start run_bootstrap.py (listening on ``host``, default the swarm's, under ``command_prefix``)
+        and wait until it wrote its multiaddrs; returns them."""
         maddrs_file = self.workdir / "bootstrap.maddrs"
         maddrs_file.unlink(missing_ok=True)
-        self.bootstrap = self._spawn("bootstrap", "run_bootstrap.py", "--host-maddrs", listen_maddr(self.host),
-                                     "--maddrs-file", str(maddrs_file), "--run-id", self.run_id, *args)
+        self.bootstrap = self._spawn("bootstrap", "run_bootstrap.py", "--host-maddrs", listen_maddr(host or self.host),
+                                     "--maddrs-file", str(maddrs_file), "--run-id", self.run_id, *args,
+                                     command_prefix=command_prefix)
         wait_for(lambda: maddrs_file.exists() or not self.bootstrap.is_alive(), timeout, "the bootstrap to start")
         if not self.bootstrap.is_alive():
             raise RuntimeError(f"the bootstrap exited:\n{self.bootstrap.log_tail()}")

@@ -1,0 +1,136 @@
+"""The emulated internet (peer/harness/internet.py) and a swarm trained across it.
+
+Every host sits in a network namespace of its own behind an access link shaped with ``tc tbf`` both
+ways and delayed by the core's TUN delay line; some sit behind a home router doing NAT with ``nft``.
+These tests need root, ``nft`` and ``gcc`` (scripts/setup.sh installs nftables); without them they
+fail with InternetError's message, they are not skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from peer.harness.internet import Internet, Link
+from peer.harness.local_swarm import REPO_ROOT, LocalSwarm, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.xdist_group("netns")]
+PROBE = (sys.executable, str(REPO_ROOT / "peer" / "harness" / "link_probe.py"))
+ECHO_PORT, SINK_PORT = 9000, 9001
+LOSS_WINDOW = 20
+
+
+@pytest.fixture
+def internets():
+    """Make Internet objects with ``internets(...)``; every one is torn down afterwards, whatever happened."""
+    made: list[Internet] = []
+
+    def make(**kwargs) -> Internet:
+        made.append(Internet(**kwargs))
+        return made[-1]
+
+    yield make
+    for internet in made:
+        internet.shutdown()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [i.tag for i in made if i.tag + "-" in listed], f"namespaces survived their test:\n{listed}"
+
+
+def probe(host, *arguments: str, timeout: float = 60.0) -> dict:
+    result = host.run(*PROBE, *arguments, timeout=timeout, check=False)
+    assert result.stdout.strip(), f"the probe on {host.name} printed nothing: {result.stderr.strip()[-400:]}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def serve(host, *arguments: str) -> subprocess.Popen:
+    server = host.spawn(*PROBE, *arguments, stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "ready"
+    return server
+
+
+def test_the_emulated_internet_delays_shapes_and_hides_homes_behind_nats(internets):
+    internet = internets(seed=1)
+    fast = internet.add_host("fast", Link(rate_mbit=100, delay_ms=10))
+    slow = internet.add_host("slow", Link(rate_mbit=20, delay_ms=40))
+    homes = {kind: internet.add_host(kind, Link(rate_mbit=50, delay_ms=5), nat=kind)
+             for kind in ("port-restricted", "symmetric", "full-cone")}
+    internet.start()
+    assert internet.delay_line_started["rules"] == 5
+    for host in (fast, slow, *homes.values()):
+        serve(host, "echo", str(ECHO_PORT))
+    for host in (fast, slow):
+        serve(host, "sink", str(SINK_PORT))
+        serve(host, "observe", str(ECHO_PORT + 2))
+
+    # a round trip is twice the two links' one-way delays, whatever the direction
+    for source, target, expected in ((fast, slow, 2 * (10 + 40)), (slow, fast, 2 * (40 + 10)),
+                                     (homes["symmetric"], fast, 2 * (5 + 10))):
+        rtt = probe(source, "ping", target.public_address, str(ECHO_PORT), "20")
+        assert rtt["answered"] == 20, rtt
+        assert expected <= rtt["min_ms"] < expected + 5, f"{source.name} → {target.name}: {rtt}, expected {expected} ms"
+
+    # the rate holds: the slow host's download is its 20 Mbit/s, whoever sends
+    sent = probe(fast, "send", slow.public_address, str(SINK_PORT), "3")
+    assert 0.75 * 20 < sent["mbit_per_s"] < 1.1 * 20, sent
+    # (the delay line's own figures: how late it wrote the packets of that transfer)
+    held = internet.delay_line_stats()
+    assert held["packets"] > 3000 and held["dropped_full"] == 0, held
+
+    # homes dial out; nobody dials in, except through the full-cone router
+    for kind, home in homes.items():
+        assert probe(home, "ping", fast.public_address, str(ECHO_PORT), "3")["answered"] == 3, kind
+        inbound = probe(fast, "ping", home.public_address, str(ECHO_PORT), "2")
+        assert inbound["answered"] == (2 if kind == "full-cone" else 0), (kind, inbound)
+        assert probe(fast, "ping", home.address, str(ECHO_PORT), "1")["answered"] == 0, "a private address was routed"
+    # a port-restricted NAT keeps one mapping for every destination; a symmetric one makes a new one
+    targets = (fast.public_address, slow.public_address)
+    kept = probe(homes["port-restricted"], "mapping", str(ECHO_PORT + 2), *targets)
+    changed = probe(homes["symmetric"], "mapping", str(ECHO_PORT + 2), *targets)
+    assert len(set(kept["seen"].values())) == 1 and None not in kept["seen"].values(), kept
+    assert len(set(changed["seen"].values())) == 2 and None not in changed["seen"].values(), changed
+    assert all(seen.startswith(homes["symmetric"].public_address + ":") for seen in changed["seen"].values())
+
+    final = internet.shutdown()
+    assert final["dropped_full"] == 0, final
+    print(f"delay line over the test: {held} then {final}")
+
+
+def test_a_2x2_swarm_where_every_peer_has_its_own_shaped_delayed_link_trains(internets, tmp_path):
+    internet = internets(seed=2)
+    link = Link(rate_mbit=50, delay_ms=25)
+    server = internet.add_host("bootstrap", link)
+    hosts = [internet.add_host(f"peer{i}", link) for i in range(4)]
+    internet.start()
+    swarm = LocalSwarm(tmp_path / "swarm")
+    try:
+        swarm.start_bootstrap("--num-stages", "2", "--averaging-period", "10", host=server.address,
+                              command_prefix=server.command_prefix)
+        peers = [swarm.start_peer("--stage", str(i % 2), "--num-threads", "1", host=host.address,
+                                  command_prefix=host.command_prefix) for i, host in enumerate(hosts)]
+        wait_for(lambda: all(p.events("status") or not p.is_alive() for p in peers), 180, "four peers to train")
+        assert all(p.is_alive() for p in peers), swarm.logs()
+
+        def losses() -> list[float]:
+            return [loss for _, loss in sorted((e["t"], e["loss"]) for p in peers for e in p.events("microbatch")
+                                               if e["stage"] == 1 and e.get("loss") is not None)]
+
+        wait_for(lambda: len(losses()) >= 8 * LOSS_WINDOW or not all(p.is_alive() for p in peers), 240,
+                 f"{8 * LOSS_WINDOW} microbatches through the last stage")
+        # every peer trained, through the shaped links (stage 0 of both peers injected, stage 1 counted)
+        for peer in peers:
+            assert peer.events("status")[-1]["samples"] > 0, peer.log_tail()
+        swarm.shutdown()
+        for peer in peers:
+            assert peer.process.returncode == 0, peer.log_tail()
+            assert "Traceback" not in peer.log_path.read_text(), peer.log_tail()
+        curve = losses()
+        first, last = statistics.mean(curve[:LOSS_WINDOW]), statistics.mean(curve[-LOSS_WINDOW:])
+        print(f"{len(curve)} microbatches: loss {first:.3f} → {last:.3f}; delay line {internet.delay_line_stats()}")
+        assert last < first - 0.5, f"loss {first:.3f} -> {last:.3f}"
+    finally:
+        swarm.shutdown(timeout=20)
+        print(swarm.logs())
