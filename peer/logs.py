@@ -34,6 +34,18 @@ class _AveragerRaceFilter(logging.Filter):
         return not harmless or logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
+class _FailedRoundFilter(logging.Filter):
+    """hivemind's ``DecentralizedAverager._step`` logs the traceback of a round it gives up (no group
+    found, a partner gone, a stream broken), then hands the same error to its caller, which logs the
+    failed round in one line (swarm/averaging.py). On a slow link that happens every few rounds; a
+    volunteer should read one sentence, not a traceback. Shown only at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.funcName != "_step" or not record.exc_info:
+            return True
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
 def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> None:
     """Send our logs to stderr as ``time L [peer 3fa9c1 stage 1 step 40] message``.
 
@@ -48,3 +60,6 @@ def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> Non
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("hivemind").setLevel(logging.WARNING)
+    averager = logging.getLogger("hivemind.averaging.averager")
+    if not any(isinstance(f, _FailedRoundFilter) for f in averager.filters):
+        averager.addFilter(_FailedRoundFilter())
