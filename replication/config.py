@@ -61,6 +61,10 @@ class TransferConfig:
             (fewer only when fewer donors answered).
         manifest_limits: caps on what a donor's manifest may make us allocate (a pull with an
             expected layout replaces the byte and tensor caps with exactly that layout's).
+        max_version_replans: times a pull starts over on the donors' newest manifest after they
+            evicted the version it was pulling (``replication/transfer.py``); 0 gives up at once.
+            Each costs at most one more download of what changed; raise it only for donors that
+            step much faster than the link downloads their state.
     """
 
     piece_bytes: int = 1024 * 1024
@@ -75,6 +79,7 @@ class TransferConfig:
     shard_timeout_slack: float = 4.0
     min_agreeing_donors: int = 2
     manifest_limits: ManifestLimits = field(default_factory=ManifestLimits)
+    max_version_replans: int = 3
 
     def __post_init__(self) -> None:
         for name, high in (("max_in_flight_per_donor", 1 << 10), ("num_probe_rounds", 100),
@@ -92,6 +97,9 @@ class TransferConfig:
                 MIN_REQUEST_SHARD_BYTES <= self.piece_bytes <= MAX_REQUEST_SHARD_BYTES):
             raise ValueError(f"piece_bytes must be an int in [{MIN_REQUEST_SHARD_BYTES}, "
                              f"{MAX_REQUEST_SHARD_BYTES}], got {self.piece_bytes!r}")
+        if isinstance(self.max_version_replans, bool) or not isinstance(self.max_version_replans, int) or not (
+                0 <= self.max_version_replans <= 100):
+            raise ValueError(f"max_version_replans must be an int in [0, 100], got {self.max_version_replans!r}")
         if not isinstance(self.search, SearchConfig) or not isinstance(self.manifest_limits, ManifestLimits):
             raise ValueError("search must be a SearchConfig and manifest_limits a ManifestLimits")
 

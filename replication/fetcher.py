@@ -20,6 +20,10 @@ arrival. Alg. 2 assigns the runs to donors; this module carries the plan out and
 * **End game** (``TransferConfig.endgame``): a donor with nothing left to fetch takes a copy of a
   run still in flight elsewhere when it would finish it sooner; the first verified copy wins and
   the other request is cancelled. This removes the tail left by a run that is large for its donor.
+* **A version that moved on** (issue #15): a donor that evicted the manifest's version declines
+  with ``VERSION_GONE`` and is dropped like a failed one; if no donor is left, the pull ends in
+  ``StaleVersionError`` (not a plain ``TransferError``), naming those donors, and
+  ``replication/transfer.py`` re-plans it on their newest manifest.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from dataclasses import dataclass, field
 import torch
 
 from replication.assignment import NeighbourLink, assign_shards_greedy
+from dht.rpc import RemoteError
 from replication.client import DONOR_FAULTS, Session, call_pieces
 from replication.manifest import ManifestError, is_shard_valid
-from replication.pull_report import PullReport, TransferError, drop_donor
+from replication.pull_report import PullReport, StaleVersionError, TransferError, drop_donor
+from replication.server import VERSION_GONE
 from replication.shard_store import ShardStore
 
 __all__ = ["CORRUPT_PIECE_STRIKES", "CorruptPieceError", "PieceFetcher", "Run", "give_each_a_run", "split_runs"]
@@ -93,6 +99,7 @@ class _Donor:
     last_done: float = 0.0
     planned_per_byte: float = 0.0  # what the last plan assumed
     failed: bool = False
+    moved_on: bool = False  # it failed because it no longer holds the manifest's version
 
     def measured(self) -> bool:
         """Whether enough came back to trust the measured rate: a full piece at least (a run of a
@@ -141,6 +148,9 @@ class PieceFetcher:
                                          if donor.measured()}
         if len(self.done) < len(self.runs):
             reasons = "; ".join(f"{p[-6:]}: {why}" for p, why in self.report.failed_donors.items())
+            moved_on = sorted(peer for peer, donor in self.donors.items() if donor.moved_on)
+            if moved_on:
+                raise StaleVersionError(f"pieces missing and no donor left ({reasons})", self.report, moved_on)
             raise TransferError(f"pieces missing and no donor left ({reasons})", self.report)
 
     def assembled(self) -> memoryview | None:
@@ -289,6 +299,8 @@ class PieceFetcher:
             if isinstance(e, CorruptPieceError) and self.session.reputation is not None and not donor.failed:
                 # once per pull: its other runs in flight are the same offence, not more evidence
                 self.session.reputation.strike(peer, f"served corrupted state: {reason}", weight=CORRUPT_PIECE_STRIKES)
+            if isinstance(e, RemoteError) and e.code == VERSION_GONE and not donor.failed:
+                donor.moved_on = True
             self._fail(peer, reason)
             return
         finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-__all__ = ["PullReport", "TransferError", "drop_donor"]
+__all__ = ["DisagreementError", "PullReport", "StaleVersionError", "TransferError", "drop_donor"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ class PullReport:
         num_resumed: pieces already on disk (verified) when the pull started.
         num_replans: times Alg. 2 ran (the first plan included).
         num_duplicated: end-game copies requested of a run already in flight elsewhere.
+        num_version_replans: times the pull started over on a newer manifest because its donors
+            had evicted the version it was pulling (``StaleVersionError``); the byte and piece
+            counts above add up every attempt.
         measured_per_byte: donor -> b_u as measured during the transfer (its service seconds per
             byte, d_u included), for the donors that sent something.
     """
@@ -53,6 +56,7 @@ class PullReport:
     num_resumed: int = 0
     num_replans: int = 0
     num_duplicated: int = 0
+    num_version_replans: int = 0
     measured_per_byte: dict[str, float] = field(default_factory=dict)
 
 
@@ -66,6 +70,16 @@ class TransferError(RuntimeError):
 
 class DisagreementError(TransferError):
     """Fewer donors than required served the same manifest (they hold different versions)."""
+
+
+class StaleVersionError(TransferError):
+    """Pieces are missing and no donor is left, and ``donors`` were dropped only because they no longer
+    hold the manifest's version (they evicted it while stepping on): a pull on their newest manifest may
+    succeed (``replication/transfer.py`` re-plans it)."""
+
+    def __init__(self, message: str, report: PullReport, donors: list[str]) -> None:
+        super().__init__(message, report)
+        self.donors = donors
 
 
 def drop_donor(report: PullReport, peer_id: str, reason: str) -> None:

@@ -21,6 +21,12 @@ The state bytes of a version are copied once (``build_manifest``) and kept for t
 replicas of a stage hold bit-identical state after an averaging round, so every donor builds the
 same manifest for the same (version, shard_bytes) and the joiner can compare them.
 
+A version a caller is still pulling is pinned beyond those (``replication/pins.py``: a lone holder
+that steps during a slow pull froze newer versions for other callers and evicted the joiner's, issue
+#15). A request for a version this donor evicted is declined with ``VERSION_GONE``
+(``VersionGoneError``), not refused as bad input: the joiner re-plans its pull on the newest version
+(``replication/transfer.py``). A version it never held is refused.
+
 A peer that keeps the backup of another stage (``planner.backup_plan``, seed 001 §3.4) serves it through
 the same three RPCs: every request names its stage, and ``backup_fn(stage)`` gives the snapshot of
 the backup this peer holds of that stage (None: it holds none, and the request is refused). Each
@@ -36,22 +42,23 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import torch
 from hivemind.p2p import P2P
 
-from dht.rpc import serve_request
+from dht.rpc import Declined, serve_request
 from dht.wire import ProtocolError
 from replication.assignment import count_shards
 from replication.manifest import Manifest, build_manifest, hash_shard, piece_size_for
+from replication.pins import VersionPins
 
 __all__ = [
-    "MAX_PROBE_BYTES", "MAX_REQUEST_SHARD_BYTES", "MIN_REQUEST_SHARD_BYTES", "BackupFn", "ReplicationServer",
-    "SnapshotFn", "manifest_handler", "pack_bytes", "padded_bytes", "probe_handler", "require_int",
-    "shard_handler", "unpack_bytes",
+    "MAX_PROBE_BYTES", "MAX_REQUEST_SHARD_BYTES", "MIN_REQUEST_SHARD_BYTES", "VERSION_GONE", "BackupFn",
+    "ReplicationServer", "SnapshotFn", "VersionGoneError", "manifest_handler", "pack_bytes", "padded_bytes",
+    "probe_handler", "require_int", "shard_handler", "unpack_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,6 +70,9 @@ MIN_REQUEST_SHARD_BYTES = 4096  # below this, hashing every shard is a cheap CPU
 MAX_REQUEST_SHARD_BYTES = 1 << 30
 MAX_REQUEST_SHARDS = 1 << 20
 _MAX_MANIFESTS_PER_VERSION = 4
+_EVICTED_REMEMBERED = 64  # evicted versions per stage told apart from versions never held
+PIN_TIMEOUT_FACTOR = 2.0  # a pin lasts this many request timeouts after its caller's last request
+VERSION_GONE = "version_gone"  # the refusal code of VersionGoneError
 WIRE_WORD_BYTES = 8
 _ZEROS = torch.zeros(MAX_PROBE_BYTES // WIRE_WORD_BYTES, dtype=torch.int64)
 
@@ -117,6 +127,12 @@ def require_int(header: Mapping[str, Any], key: str, *, low: int = 0, high: int 
     return value
 
 
+class VersionGoneError(Declined):
+    """The version asked for was held here and evicted: ask for the newest manifest and pull again."""
+
+    code = VERSION_GONE
+
+
 @dataclasses.dataclass
 class _Version:
     """One frozen version: its state bytes, and its manifests by shard size."""
@@ -127,7 +143,12 @@ class _Version:
 
 class ReplicationServer:
     """Serves this peer's stage state to joiners (seed 003 §III, the neighbour's side), and the
-    backup it keeps of another stage, if any (``backup_fn``)."""
+    backup it keeps of another stage, if any (``backup_fn``).
+
+    ``pins`` says which versions callers are pulling (kept beyond the newest ``max_cached``); by
+    default a pin lasts ``PIN_TIMEOUT_FACTOR`` request timeouts and one extra version per stage is
+    kept for pins (``replication/pins.py``).
+    """
 
     def __init__(
         self,
@@ -140,15 +161,18 @@ class ReplicationServer:
         max_cached: int = 2,
         backup_fn: BackupFn = lambda stage: None,
         on_served: Callable[[str, int], None] = lambda peer_id, version: None,
+        pins: VersionPins | None = None,
     ) -> None:
         if request_timeout <= 0 or max_cached < 1:
             raise ValueError("request_timeout must be > 0 and max_cached >= 1")
+        self.pins = pins if pins is not None else VersionPins(hold_timeout=PIN_TIMEOUT_FACTOR * request_timeout)
         self.p2p, self.run_id, self.stage = p2p, run_id, stage
         self.snapshot_fn, self.request_timeout, self.max_cached = snapshot_fn, request_timeout, max_cached
         self.backup_fn, self.on_served = backup_fn, on_served  # on_served(caller, version): a piece of this stage sent
         self.num_refused = 0
         self.num_shards_served = 0
         self._cache: dict[int, OrderedDict[int, _Version]] = {stage: OrderedDict()}  # stage -> version -> bytes
+        self._evicted: dict[int, deque[int]] = {}  # stage -> the latest versions it held and evicted
         self._build_lock = asyncio.Lock()
         self._send_locks: dict[Any, asyncio.Lock] = {}  # caller -> its shards leave in turn
         self._handlers: list[str] = []
@@ -172,8 +196,9 @@ class ReplicationServer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
 
-    async def rpc_manifest(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self._serve(reader, writer, self._process_manifest, what="manifest")
+    async def rpc_manifest(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        caller = getattr(info, "peer_id", None)
+        await self._serve(reader, writer, functools.partial(self._process_manifest, caller=caller), what="manifest")
 
     async def rpc_shard(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         caller = getattr(info, "peer_id", None)
@@ -201,17 +226,31 @@ class ReplicationServer:
         stage (or of the backup of ``stage``); an override point for fault tests.
 
         Raises:
-            ValueError: the version is not held (never built or evicted) or the range is out of range.
+            VersionGoneError: the version was evicted.
+            ValueError: the version was never held, or the range is out of range.
         """
-        versions = self._cache.get(self.stage if stage is None else stage, {})
+        stage = self.stage if stage is None else stage
+        versions = self._cache.get(stage, {})
         held = versions.get(version)
         if held is None:
-            raise ValueError(f"version {version} is not held here (held: {list(versions)})")
+            raise self._not_held(stage, version, f"version {version} is not held here (held: {list(versions)})")
         num_shards = count_shards(len(held.data), shard_bytes)
         if index >= num_shards or index + count > num_shards:
             raise ValueError(f"shard index {index} (+{count}) out of range 0..{num_shards - 1}")
         start = index * shard_bytes
         return held.data[start : start + count * shard_bytes]
+
+    def _not_held(self, stage: int, version: int, message: str) -> Exception:
+        """The refusal of a request for ``version`` of ``stage``, which is not cached: declined as gone
+        if it was evicted (the caller re-plans), refused as bad input if it never was held."""
+        if version in self._evicted.get(stage, ()):
+            return VersionGoneError(f"{message}; it was evicted: ask for the newest manifest")
+        return ValueError(message)
+
+    def _pin(self, caller: Any, stage: int, version: int) -> None:
+        """``caller`` pulls ``version`` of ``stage`` (held here): keep it while it does."""
+        if caller is not None and version in self._cache.get(stage, {}):
+            self.pins.touch(str(caller), stage, version)
 
     def _count(self, outcome: str) -> None:
         self.num_refused += outcome == "refused"
@@ -233,20 +272,21 @@ class ReplicationServer:
         is_index = type(stage) is int
         backup = self.backup_fn(stage) if is_index else None
         if backup is None:
-            if is_index and stage != self.stage:
-                self._cache.pop(stage, None)  # a dropped backup: free its frozen versions
+            if is_index and stage != self.stage and self._cache.pop(stage, None) is not None:
+                self.pins.release(stage)  # a dropped backup: free its frozen versions
             raise ValueError(f"asked for stage {stage!r:.40}, this peer serves stage {self.stage} and keeps no backup of it")
         return stage, backup
 
     def _require_shard_bytes(self, header: Mapping[str, Any]) -> int:
         return require_int(header, "shard_bytes", low=MIN_REQUEST_SHARD_BYTES, high=MAX_REQUEST_SHARD_BYTES)
 
-    async def _process_manifest(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    async def _process_manifest(self, header: dict[str, Any], *, caller: Any = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
         stage, snapshot_fn = self._require_stage(header)
         shard_bytes = self._require_shard_bytes(header)
         pinned = None if header.get("version") is None else require_int(header, "version")
         async with self._build_lock:  # concurrent joiners share one build
             manifest = await self._describe(stage, snapshot_fn, shard_bytes, pinned)
+            self._pin(caller, stage, manifest.version)  # its pieces are asked for next
         logger.debug(f"replication: manifest of stage {stage} v{manifest.version} s={shard_bytes} served")
         return {"ok": True, "manifest": manifest.to_wire()}, []
 
@@ -268,7 +308,7 @@ class ReplicationServer:
         elif pinned in versions:
             version = pinned
         else:
-            raise ValueError(f"version {pinned} is no longer held here (held: {list(versions)})")
+            raise self._not_held(stage, pinned, f"version {pinned} is no longer held here (held: {list(versions)})")
         held = versions[version]
         versions.move_to_end(version)
         shard_bytes = piece_size_for(len(held.data), min_piece_bytes)
@@ -281,10 +321,13 @@ class ReplicationServer:
         return held.manifests[shard_bytes]
 
     def _remember(self, stage: int, version: int, held: _Version) -> None:
+        """Cache a new version; evict all but the newest ``max_cached`` and those pinned (``self.pins``)."""
         versions = self._cache[stage]
         versions[version] = held
-        while len(versions) > self.max_cached:
-            evicted, _ = versions.popitem(last=False)
+        keep = self.pins.keep(stage, list(versions), max_cached=self.max_cached)
+        for evicted in [v for v in versions if v not in keep]:
+            del versions[evicted]
+            self._evicted.setdefault(stage, deque(maxlen=_EVICTED_REMEMBERED)).append(evicted)
             logger.info(f"replication: stage {stage} version {evicted} evicted from the serving cache")
 
     async def _process_shard(self, header: dict[str, Any], *, caller: Any = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -295,6 +338,7 @@ class ReplicationServer:
         count = 1 if header.get("count") is None else require_int(header, "count", low=1, high=MAX_REQUEST_SHARDS)
         if count * shard_bytes > MAX_REQUEST_SHARD_BYTES:
             raise ValueError(f"{count} shards of {shard_bytes} bytes exceed {MAX_REQUEST_SHARD_BYTES} bytes")
+        self._pin(caller, stage, version)
         data = await self.load_shard(version, shard_bytes, index, count, stage=stage)
         self.num_shards_served += count
         if stage == self.stage and caller is not None:

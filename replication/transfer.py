@@ -15,6 +15,11 @@ wire format and every deviation are in docs/replication.md, "Transfer"):
    and on faults, and ends with the end game (``replication/fetcher.py``);
 6. the state is rebuilt from the verified bytes, sharing the buffer they arrived in.
 
+If the donors evicted the version being pulled before every piece came (a lone holder that steps
+while it serves a slow link, issue #15; its pins, ``replication/pins.py``, normally prevent it), the
+pull goes back to step 2 with the newest manifest of those donors, keeping the pieces it still has,
+at most ``max_version_replans`` times (``_replan_version``).
+
 With requests pipelined a donor pays d_u once per ``max_in_flight_per_donor`` requests, so the
 planner is given d_u / ``max_in_flight_per_donor`` ("a transport that pipelines requests should
 pass a smaller effective d_u", docs/replication.md).
@@ -41,7 +46,7 @@ from replication.config import TransferConfig
 from replication.fetcher import CORRUPT_PIECE_STRIKES, PieceFetcher, split_runs
 from replication.layout import StateLayout
 from replication.manifest import Manifest, ManifestError, restore_state
-from replication.pull_report import DisagreementError, PullReport, TransferError, drop_donor
+from replication.pull_report import DisagreementError, PullReport, StaleVersionError, TransferError, drop_donor
 from replication.shard_store import ShardStore
 
 __all__ = ["PullReport", "PullResult", "TransferConfig", "TransferError", "agree_on_manifest", "probe_donors",
@@ -158,35 +163,22 @@ async def pull_state(
         ValueError: no donors given.
     """
     report, clock = PullReport(), time.monotonic()
-    donors = sorted(set(donors))
-    if not donors:
-        raise ValueError("pull_state needs at least one donor")
-    if reputation is not None:
-        for peer_id in [d for d in donors if reputation.is_banned(d)]:
-            drop_donor(report, peer_id, "banned here for misbehaviour")
-            donors.remove(peer_id)
-        if not donors:
-            raise TransferError("every donor is banned here", report)
+    donors = _unbanned(donors, reputation, report)
     session = Session(p2p, run_id, stage, config, reputation, expected)
     links, (agreeing, manifest) = await asyncio.gather(
         probe_donors(session, donors, report), agree_on_manifest(session, donors, report))
-    usable = {peer_id: links[peer_id] for peer_id in agreeing if peer_id in links}
-    if not usable:
-        raise TransferError("no donor both answered the probes and agreed on the manifest", report)
-    report.donors = sorted(usable)
-    clock = _lap(report, "probe", clock)
-    store = await asyncio.to_thread(ShardStore.open, store_dir, manifest)
-    missing = store.missing_shards()
-    report.num_resumed, report.num_shards = len(store.held_shards()), manifest.num_shards
-    report.piece_bytes = manifest.shard_bytes
-    piece_sizes = [end - start for start, end in map(manifest.shard_range, range(manifest.num_shards))]
-    report.shard_bytes = shard_bytes = _plan_shard_bytes(
-        sum(piece_sizes[i] for i in missing), manifest.shard_bytes, list(usable.values()), config)
-    runs = split_runs(missing, piece_sizes, shard_bytes // manifest.shard_bytes)
-    clock = _lap(report, "plan", clock)
-    fetcher = PieceFetcher(session, store, usable, report, runs)
-    await fetcher.run()
-    clock = _lap(report, "transfer", clock)
+    while True:
+        usable = {peer_id: links[peer_id] for peer_id in agreeing if peer_id in links}
+        if not usable:
+            raise TransferError("no donor both answered the probes and agreed on the manifest", report)
+        report.donors = sorted(usable)
+        clock = _lap(report, "probe", clock)
+        try:
+            store, fetcher, clock = await _fetch_pieces(session, store_dir, manifest, usable, report, clock)
+            break
+        except StaleVersionError as e:
+            clock = time.monotonic()  # the failed attempt's plan and transfer are lapped already
+            agreeing, manifest = await _replan_version(session, manifest, e, report)
     # Every piece was verified on arrival; a buffer filled in memory needs no second pass over the
     # disk, and the tensors share it. Pieces resumed from disk are read back by assemble(), which
     # re-verifies them.
@@ -202,9 +194,79 @@ async def pull_state(
     return PullResult(manifest.version, state, report)
 
 
+def _unbanned(donors: Sequence[str], reputation: Reputation | None, report: PullReport) -> list[str]:
+    """``donors``, sorted, less those ``reputation`` bans (reported).
+
+    Raises:
+        ValueError: no donors given.
+        TransferError: every donor is banned.
+    """
+    donors = sorted(set(donors))
+    if not donors:
+        raise ValueError("pull_state needs at least one donor")
+    if reputation is not None:
+        for peer_id in [d for d in donors if reputation.is_banned(d)]:
+            drop_donor(report, peer_id, "banned here for misbehaviour")
+            donors.remove(peer_id)
+        if not donors:
+            raise TransferError("every donor is banned here", report)
+    return donors
+
+
+async def _fetch_pieces(session: Session, store_dir: Path, manifest: Manifest, usable: dict[str, NeighbourLink],
+                        report: PullReport, clock: float) -> tuple[ShardStore, PieceFetcher, float]:
+    """Steps 3-5 of the module docstring for ``manifest``: the store, the fetcher that filled it, the lap clock.
+
+    Raises:
+        StaleVersionError: the donors evicted ``manifest``'s version before every piece came.
+        TransferError: pieces are missing and no donor is left.
+    """
+    config = session.config
+    store = await asyncio.to_thread(ShardStore.open, store_dir, manifest)
+    missing = store.missing_shards()
+    report.num_resumed, report.num_shards = len(store.held_shards()), manifest.num_shards
+    report.piece_bytes = manifest.shard_bytes
+    piece_sizes = [end - start for start, end in map(manifest.shard_range, range(manifest.num_shards))]
+    report.shard_bytes = shard_bytes = _plan_shard_bytes(
+        sum(piece_sizes[i] for i in missing), manifest.shard_bytes, list(usable.values()), config)
+    runs = split_runs(missing, piece_sizes, shard_bytes // manifest.shard_bytes)
+    clock = _lap(report, "plan", clock)
+    fetcher = PieceFetcher(session, store, usable, report, runs)
+    try:
+        await fetcher.run()
+    finally:
+        clock = _lap(report, "transfer", clock)
+    return store, fetcher, clock
+
+
+async def _replan_version(session: Session, stale: Manifest, error: StaleVersionError,
+                          report: PullReport) -> tuple[list[str], Manifest]:
+    """Issue #15's fallback: the donors stepped on and evicted the version being pulled (the pins of
+    ``replication/pins.py`` were taken, or lapsed on a slow link). Ask those donors for their newest
+    manifest and pull again; ``ShardStore.open`` keeps every piece whose bytes the new manifest still
+    has. At most ``config.max_version_replans`` times.
+
+    Raises:
+        TransferError: the donors moved on that many times, one sentence saying so.
+    """
+    config = session.config
+    if report.num_version_replans >= config.max_version_replans:
+        raise TransferError(f"the donors of stage {session.stage} evicted the version being pulled "
+                            f"{report.num_version_replans + 1} times in a row (they step faster than this "
+                            f"link downloads their state)", report) from error
+    report.num_version_replans += 1
+    for peer_id in error.donors:  # asked again: their earlier refusal is no longer why they are out
+        report.failed_donors.pop(peer_id, None)
+    logger.info(f"replication: stage {session.stage} v{stale.version} was evicted by its donors "
+                f"({', '.join(p[-6:] for p in error.donors)}) during the pull; pulling their newest version "
+                f"(re-plan {report.num_version_replans} of at most {config.max_version_replans})")
+    return await agree_on_manifest(session, error.donors, report)
+
+
 def _lap(report: PullReport, phase: str, since: float) -> float:
+    """Adds the time since ``since`` to ``phase`` (a re-planned pull goes through the phases again)."""
     now = time.monotonic()
-    report.phase_seconds[phase] = now - since
+    report.phase_seconds[phase] = report.phase_seconds.get(phase, 0.0) + now - since
     return now
 
 

@@ -43,7 +43,7 @@ VIRTUAL_MARGIN_BYTES = 2**30
 class ForgedManifestServer(ReplicationServer):
     """Answers every manifest request with a well-formed manifest of a 200 GiB state it does not have."""
 
-    async def _process_manifest(self, header: dict) -> tuple[dict, list]:
+    async def _process_manifest(self, header: dict, **kwargs) -> tuple[dict, list]:
         layout = StateLayout.from_tensors(served_state_template(SPEC, STAGE))
         wire = forged_wire(grown(layout, HUGE_BYTES), run_id=self.run_id, stage=self.stage,
                            min_piece_bytes=header["shard_bytes"], version=FORGED_VERSION)
