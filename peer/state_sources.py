@@ -8,7 +8,10 @@
 5. ``seed``: the run seed's initial state, which the stage already holds: the stage's first peer.
 
 A source that has nothing returns False and the next one is asked; a source that has the state but
-fails to deliver it raises (a joiner must not silently start from the seed while holders train).
+fails to deliver it raises (a joiner must not silently start from the seed while holders train): a
+pull from the holders that fails for good (a link too slow or cut; holders that evicted the version
+being pulled more often than ``replication/transfer.py`` re-plans) ends the peer with one sentence,
+a ``UserError``, never a traceback (issue #15).
 Holders whose state cannot come from training from the run seed (``swarm.plausibility``) are
 refused and struck; if every holder is, the joiner says so and starts from the seed.
 """
@@ -29,7 +32,7 @@ from peer.errors import UserError
 from peer.event_log import EventLog
 from peer.join import ImplausibleStateError, pull_stage_state, stage_state_bytes
 from peer.status.local import SyncProgress
-from replication.pull_report import DisagreementError
+from replication.pull_report import DisagreementError, PullReport
 from replication.transfer import PullResult, TransferError
 from swarm.plausibility import implausible, state_drift
 from swarm.stage import Stage
@@ -71,8 +74,13 @@ class StateLoader:
                    (self._from_backup_donors, "backup-donor"), (self._from_checkpoint, "checkpoint"))
         await self.view.refresh()
         for source, name in sources:
-            if await source(stage, spec, seen):
-                return name
+            try:
+                if await source(stage, spec, seen):
+                    return name
+            except TransferError as e:  # only the holders' pull raises it; the backup sources fall through
+                raise UserError(f"Could not download stage {stage.index}'s state from its holders ({e}); check this "
+                                f"machine's network link, or raise --request-timeout on a slow one, and start the "
+                                f"peer again.") from e
         if self.refused:
             logger.warning(f"stage {stage.index}: its holders ({', '.join(sorted(p[-6:] for p in self.refused))}) "
                            f"served only states no training from the run seed makes; initialised from the run "
@@ -140,7 +148,8 @@ class StateLoader:
             except TransferError as e:
                 errors.append(f"{holder.peer_id[-6:]}: {e}")
         if not candidates:
-            raise TransferError(f"no holder of stage {stage.index} served a usable state alone: {'; '.join(errors)}")
+            raise TransferError(f"no holder of stage {stage.index} served a usable state alone: {'; '.join(errors)}",
+                                PullReport())
         drift, chosen, result = min(candidates)
         logger.warning(f"the holders of stage {stage.index} kept disagreeing: took {chosen[-6:]}'s state alone, the "
                        f"one that moved least from the run seed per step ({drift:.2f} of the AdamW bound; "

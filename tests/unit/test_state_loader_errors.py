@@ -1,0 +1,43 @@
+"""peer.state_sources: a pull from the holders that fails for good (a cut or slow link; holders that
+kept evicting the version being pulled, issue #15) ends the peer with one sentence, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+import peer.state_sources as state_sources
+from dht.records import PeerRecord, RunSpec
+from peer.config import PeerConfig
+from peer.errors import UserError
+from peer.event_log import EventLog
+from peer.state_sources import StateLoader
+from replication.pull_report import PullReport, TransferError
+from swarm.view import SwarmView
+
+SPEC = RunSpec(run_id="run")
+
+
+def test_a_failed_pull_from_the_holders_is_one_sentence_for_the_user(monkeypatch):
+    async def failing_pull(*args, **kwargs):
+        raise TransferError("pieces missing and no donor left (a1b2c3: pieces 0+4: PeerUnavailableError: "
+                            "TimeoutError)", PullReport())
+
+    monkeypatch.setattr(state_sources, "pull_stage_state", failing_pull)
+    monkeypatch.setattr(state_sources, "stage_state_bytes", lambda stage: 1 << 20)
+    view = SwarmView(None, SPEC.run_id)
+    view.records = [PeerRecord(peer_id="holder", role="reliable", state="training", stage=1, flops=1e9)]
+
+    async def refresh():
+        return view.records
+
+    view.refresh = refresh
+    loader = StateLoader(None, view, peer_id="joiner", config=PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",)),
+                         keeper=None, metrics=EventLog(None), reputation=None, traffic=SimpleNamespace(bytes_received=0))
+    with pytest.raises(UserError) as caught:
+        asyncio.run(loader.load(SimpleNamespace(index=1), SPEC))
+    message = str(caught.value)
+    assert message.startswith("Could not download stage 1's state from its holders") and "\n" not in message
+    assert "no donor left" in message and message.endswith("start the peer again.")
