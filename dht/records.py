@@ -19,6 +19,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dht.link_figures import MAX_LINK_FIGURES, LinkFigure, links_from_wire
+
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RUNS_KEY = "murmuration.runs"
 # 2: peer records carry a binding to the libp2p identity (docs/records.md); 3: a step is the swarm's batch
@@ -312,6 +314,8 @@ class PeerRecord:
             vanished); empty under the run spec's own layout.
         memory_bytes: the memory it may use for a stage (``--max-memory-mb``, or what its device had
             free when it started), so a re-plan gives it no more layers than it can hold; 0: not said.
+        links: what it measured of its links to a few peers it talks to (round-trip time, goodput;
+            ``dht.link_figures``), at most 8; empty until it has measured any.
         peer_key: the libp2p public key its peer id hashes (RSA identities; empty when the peer id
             inlines the key, as Ed25519 ones do).
         peer_signature: the binding: the identity key's signature of the run id and the record key
@@ -343,6 +347,7 @@ class PeerRecord:
     stage_layers: tuple[tuple[int, int], ...] = ()
     layout_map: tuple[int, ...] = ()
     memory_bytes: int = 0
+    links: tuple[LinkFigure, ...] = ()
     peer_key: bytes = b""
     peer_signature: bytes = b""
 
@@ -375,6 +380,8 @@ class PeerRecord:
         if (not isinstance(self.layout_map, tuple) or len(self.layout_map) > MAX_STAGES or not all(
                 isinstance(k, int) and not isinstance(k, bool) and -1 <= k < MAX_STAGES for k in self.layout_map)):
             raise ValueError(f"layout_map must be at most {MAX_STAGES} stage indices (or -1)")
+        if not isinstance(self.links, tuple) or links_from_wire(self.links) != self.links:
+            raise ValueError(f"links must be a tuple of at most {MAX_LINK_FIGURES} link figures")
         if len(self.maddrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in self.maddrs):
             raise ValueError("maddrs must be at most 16 strings")
         if not isinstance(self.params_digest, str) or len(self.params_digest) > 128:
@@ -392,6 +399,9 @@ class PeerRecord:
         wire["maddrs"] = list(self.maddrs)
         wire["stage_layers"] = [list(r) for r in self.stage_layers]
         wire["layout_map"] = list(self.layout_map)
+        wire["links"] = [figure.to_wire() for figure in self.links]
+        if not self.links:
+            del wire["links"]  # none measured (and records of peers older than the field): the default
         if math.isnan(self.val_loss):
             del wire["val_loss"]  # none yet (every peer but stage 0's): read back as the default NaN
         if not with_binding:
@@ -415,6 +425,7 @@ class PeerRecord:
         if not isinstance(layout_map, (list, tuple)):
             raise ValueError("peer record layout_map must be a list")
         fields["layout_map"] = tuple(layout_map)
+        fields["links"] = links_from_wire(fields.get("links", ()))
         try:
             return cls(**fields)
         except TypeError as e:

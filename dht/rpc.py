@@ -94,7 +94,7 @@ Process = Callable[[dict[str, Any], list[torch.Tensor]], Awaitable[tuple[dict[st
 async def serve_request(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process: Process, *,
     max_payload_bytes: int, timeout: float, what: str, on_outcome: Callable[[str], None] = lambda outcome: None,
-    send_lock: asyncio.Lock | None = None,
+    send_lock: asyncio.Lock | None = None, on_received: Callable[[int, float], None] | None = None,
 ) -> str:
     """Serve one request on a handler's stream: read it, ``process`` it, answer, all under ``timeout``.
 
@@ -105,6 +105,7 @@ async def serve_request(
 
     ``send_lock``, when given, is held while the answer is written (not while waiting for the
     caller's hang-up): answers that share it leave one after another, not interleaved.
+    ``on_received(payload bytes, seconds)`` is called once a request arrived whole (``read_message``).
 
     Returns:
         "ok", "refused", "declined", "abandoned" or "error", also passed to ``on_outcome`` before the
@@ -114,7 +115,8 @@ async def serve_request(
     tensors: Sequence[torch.Tensor] = ()
     try:
         async with asyncio.timeout(timeout):
-            header, request_tensors = await read_message(reader, max_payload_bytes=max_payload_bytes, timeout=timeout)
+            header, request_tensors = await read_message(reader, max_payload_bytes=max_payload_bytes, timeout=timeout,
+                                                         on_payload=on_received)
             reply, tensors = await process(header, request_tensors)
         outcome = "ok"
     except (ProtocolError, ValueError, TypeError) as e:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,9 +138,11 @@ async def write_message(
 
 
 async def read_message(
-    reader: asyncio.StreamReader, *, max_payload_bytes: int, timeout: float
+    reader: asyncio.StreamReader, *, max_payload_bytes: int, timeout: float,
+    on_payload: Callable[[int, float], None] | None = None,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Receive one message within ``timeout`` seconds.
+    """Receive one message within ``timeout`` seconds; ``on_payload(bytes, seconds)`` is told how
+    long its tensors took to arrive after its header (the sender's goodput, for large payloads).
 
     Raises:
         ProtocolError: malformed header, unknown dtype, bad shape, or payload over ``max_payload_bytes``.
@@ -152,12 +155,14 @@ async def read_message(
         header = decode_header(await reader.readexactly(header_bytes))
         TRAFFIC.bytes_received += _LENGTH.size + header_bytes
         layouts = parse_tensor_layouts(header.pop("tensors", None), max_payload_bytes=max_payload_bytes)
-        tensors = []
+        tensors, started = [], time.monotonic()
         for dtype, shape, nbytes in layouts:
             buffer = bytearray(await reader.readexactly(nbytes)) if nbytes else bytearray()
             TRAFFIC.bytes_received += nbytes
             flat = torch.frombuffer(buffer, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
             tensors.append(flat.view(shape))
+    if on_payload is not None:
+        on_payload(sum(nbytes for _, _, nbytes in layouts), time.monotonic() - started)
     return header, tensors
 
 

@@ -46,7 +46,8 @@ from peer.join import bootstrap_peer_ids, fetch_spec, negotiate_stage, open_swar
 from peer.profiler import measure_flops, resolve_device, stage_memory_budget
 from peer.model_sample import SampleLoop, gather_for_peer
 from peer.relayout import Handoff, LayoutChange, joiner_layout
-from peer.session import PeerContext, StageSession
+from peer.context import PeerContext
+from peer.session import StageSession
 from peer.state_sources import StateLoader
 from peer.status.local import SOFTWARE_VERSION, StatusHistory, local_status, sample_of
 from peer.status.protocol import StatusProtocol
@@ -54,6 +55,7 @@ from peer.status.service import StatusSource, open_status
 from peer.status.snapshot import PeerSnapshot, PeerState, ServiceCounters, describe_activity
 from peer.training_data import TrainingData, load_run_corpus
 from peer.transitions import announce_transition, compose_stage, report_relayout
+from planner.backup_plan import Rescue
 from planner.stage_choice import StageMove
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -346,18 +348,16 @@ class Peer:
         return PeerRecord(
             peer_id=self.peer_id, role=self.role, state=self.state.value,
             stage=stage if stage is not None else self.stage.index, flops=self.flops,
-            samples_per_s=counters.samples_per_s if counters else 0.0,
-            num_samples=counters.num_samples if counters else 0,
-            version=self.stage.version if self.stage else 0,
-            loss=counters.last_loss if counters else math.nan, announced_at=self.announced_at,
+            samples_per_s=counters.samples_per_s if counters else 0.0, num_samples=counters.num_samples if counters else 0,
+            version=self.stage.version if self.stage else 0, announced_at=self.announced_at,
+            loss=counters.last_loss if counters else math.nan,
             val_loss=self.session.val_loss if self.session is not None and not self.session.is_closed else math.nan,
             backup_stage=backup.stage if backup else -1, backup_version=backup.version if backup else 0,
             maddrs=self.maddrs, params_digest=self._averaged[1], averaged_at=self._averaged[0],
             software_version=SOFTWARE_VERSION, bytes_sent=TRAFFIC.bytes_sent, bytes_received=TRAFFIC.bytes_received,
-            layout_version=self.spec.layout_version if self.spec else 0,
+            layout_version=self.spec.layout_version if self.spec else 0, memory_bytes=self.memory_budget,
             stage_layers=self.spec.stage_layers if layout else (), layout_map=self._layout_map if layout else (),
-            memory_bytes=self.memory_budget,
-        )
+            links=self.ctx.links.summary() if self.ctx is not None else ())
 
     def _set_state(self, state: PeerState) -> None:
         self.state = state

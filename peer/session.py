@@ -23,20 +23,14 @@ import logging
 import math
 import os
 import random
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from dht.records import RunSpec
 from dht.registry import dht_time
-from dht.reputation import Reputation
-from peer.backup import BackupKeeper, RescueWatch
+from peer.backup import RescueWatch
 from peer.checkpoint import WriteProgress, checkpoint_path, save_checkpoint
-from peer.config import PeerConfig
-from peer.event_log import EventLog
+from peer.context import PeerContext, SessionHost
 from peer.faults import inject_corrupt_shards, inject_wrong_outputs
 from peer.membership_events import MembershipEvents
 from peer.profiler import MIB
@@ -48,7 +42,7 @@ from planner.backup_plan import Rescue
 from planner.stage_choice import StageMove
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
-from swarm.data import Tokens, TokenSampler, data_seed
+from swarm.data import TokenSampler, data_seed
 from swarm.failure_detector import FailureDetector
 from swarm.gradient_sync import GradientSync
 from swarm.membership import MembershipNotices, membership_handler
@@ -70,66 +64,7 @@ PAUSE_FILE_PERIOD = 0.5
 # generous, as the link to a live holder whose record went missing may be slow (1 Mbit/s in the e2e test)
 RESCUE_CHECK_ATTEMPTS = 2
 RESCUE_CHECK_TIMEOUT = 2.0
-
-@dataclass
-class PeerContext:
-    """What a peer holds from joining to leaving, and each of its stage sessions uses.
-
-    Attributes:
-        config: the peer's config; role: "reliable" or "unreliable".
-        peer_id: its libp2p id; dht, p2p: its DHT node and libp2p handle.
-        view: its view of the swarm's records.
-        base_spec: the run spec as the run published it (before any layer-wise re-plan).
-        keeper: the backup of another stage it may keep, across sessions.
-        metrics: its event log.
-        reputation: strikes and bans of misbehaving peers, or None (``--ban-strikes 0``).
-        faults: test-only misbehaviour (``peer.faults``).
-        tokens: the training data as the run tokenizer's ids (stage 0 samples from them).
-        clock: seconds, monotonic: what the session's loops time themselves with.
-    """
-
-    config: PeerConfig
-    role: str
-    peer_id: str
-    dht: object
-    p2p: object
-    view: object
-    base_spec: RunSpec
-    keeper: BackupKeeper
-    metrics: EventLog
-    reputation: Reputation | None
-    faults: dict[str, str]
-    tokens: Tokens
-    clock: Callable[[], float] = time.monotonic
-
-
-class SessionHost(Protocol):
-    """What a stage session asks of the peer that runs it."""
-
-    def is_working(self) -> bool:
-        """Does the peer hold its stage's live state (training or paused)?"""
-
-    def is_training(self) -> bool:
-        """Is it training (not paused, not leaving)?"""
-
-    def is_paused(self) -> bool:
-        """Is it paused?"""
-
-    def toggle_pause(self) -> None:
-        """Pause, or resume (``--pause-file``)."""
-
-    def check_memory(self, stage_index: int) -> None:
-        """Raise ``UserError`` if ``stage_index`` does not fit this peer's memory budget."""
-
-    def leaving(self) -> None:
-        """The session is about to announce that the peer leaves its stage."""
-
-    def averaged(self, at: float, digest: str) -> None:
-        """The stage's replicas averaged at ``at`` to parameters with ``digest``."""
-
-    async def heartbeat(self) -> None:
-        """Publish the peer's record now."""
-
+SLOW_WARNING_PERIOD = 60.0  # seconds between warnings of slow heartbeats
 
 class StageSession:
     """The services of one stage a peer serves; see the module docstring.
@@ -187,7 +122,7 @@ class StageSession:
         if not stage.is_last:
             self.router = self.events.router = self._open_router(max_payload, replay)
         self.server = StageServer(ctx.p2p, stage, peer_id=ctx.peer_id, router=self.router,
-                                  request_timeout=config.request_timeout, max_payload_bytes=max_payload,
+                                  request_timeout=config.request_timeout, max_payload_bytes=max_payload, links=ctx.links,
                                   on_microbatch=self._on_microbatch, on_event=self._on_stage_event,
                                   ledger=MicrobatchLedger() if replay else None, reputation=ctx.reputation,
                                   admission=Admission(ctx.view, stage.index, max_per_second=config.max_forwards_per_peer,
@@ -213,7 +148,7 @@ class StageSession:
         await self.notices.start()
         self.detector = events.detector = FailureDetector(ctx.p2p, ctx.view, peer_id=ctx.peer_id, stage=stage.index,
                                                           handler=membership_handler(spec.run_id),
-                                                          on_down=events.peer_down, on_link=events.on_link)
+                                                          on_down=events.peer_down, on_link=events.on_link, links=ctx.links)
         ctx.view.on_change = events.on_view_change
         ctx.view.vouch = self.detector.vouches_for  # a neighbour that answers keeps its place if its record lapses
         self.averager = StageAverager(stage, ctx.dht, ctx.view, client_mode=ctx.role == "unreliable" or config.client_mode,
@@ -239,7 +174,8 @@ class StageSession:
                       next_stage_flops=stage_flops_per_sample(spec, index + 1),
                       request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                       rng=random.Random(f"{spec.seed}:{ctx.peer_id}"), sticky=replay,
-                      max_attempts=3 if replay else 1, reputation=ctx.reputation, spot_checker=checker, clock=ctx.clock)
+                      max_attempts=3 if replay else 1, reputation=ctx.reputation, spot_checker=checker, clock=ctx.clock,
+                      links=ctx.links)
 
     def _new_trainer(self, replay: bool) -> Trainer:
         ctx, spec, config, stage = self.ctx, self.spec, self.ctx.config, self.stage
@@ -390,6 +326,7 @@ class StageSession:
 
     async def _heartbeat_loop(self) -> None:
         config, clock, jitter = self.ctx.config, self.ctx.clock, random.Random(f"heartbeat:{self.ctx.peer_id}")
+        warned = -math.inf
         while not self._stop.is_set():
             started = clock()
             try:
@@ -397,8 +334,12 @@ class StageSession:
             except Exception as e:
                 logger.warning(f"heartbeat failed: {e!r}")
             elapsed = clock() - started
-            if elapsed > config.heartbeat_period:
-                logger.warning(f"heartbeat took {elapsed:.2f}s, longer than its {config.heartbeat_period}s period")
+            # a slow link makes a DHT store take longer than the period: news only when it nears the
+            # record's lifetime (others would drop this peer), and then once a minute
+            if elapsed > config.heartbeat_ttl / 3 and clock() - warned > SLOW_WARNING_PERIOD:
+                warned = clock()
+                logger.warning(f"heartbeat took {elapsed:.2f}s; records live {config.heartbeat_ttl:.0f}s: on a slow "
+                               f"link raise --heartbeat-ttl")
             await asyncio.sleep(config.heartbeat_period * jitter.uniform(0.8, 1.2))
 
     async def _status_loop(self) -> None:

@@ -10,10 +10,16 @@ Akka use) gives the suspicion level
 with the intervals modelled as a normal distribution of their measured mean and deviation. A ping's
 deadline is the time at which phi reaches ``threshold`` (8: a one-in-10^8 chance that a live peer is
 this late), so it follows what the link and the host actually do: tight on an idle loopback, looser
-on a busy one. ``max_failed_pings`` (2) pings in a row that miss their deadline or are refused
-outright (the peer's daemon is gone) declare the neighbour down. A ping that timed out while this
-peer itself stalled (its own ticks came late: a busy host) gives no verdict, so an overloaded
-observer does not declare all its neighbours dead.
+on a busy one; and never shorter than the link's retransmission timeout (``srtt + 4 rttvar`` of the
+pings' own round trips, ``swarm.links``), so a link whose queue fills with activations stretches the
+deadline instead of failing it. A ping that misses its deadline is a strike but keeps waiting, up to
+twice the deadline: an answer clears the strike and teaches the estimate the new round trip; no
+answer by then is a second strike. ``max_failed_pings`` (2) strikes in a row, missed or refused
+outright (the peer's daemon is gone), declare the neighbour down. No strike counts while this peer
+itself stalled (its own ticks came late: a busy host), so an overloaded observer does not declare
+all its neighbours dead, nor while anything else of the neighbour arrived (activations, answers,
+``LinkMeter.heard``): on a congested link a ping queues behind those bytes, and a peer whose bytes
+keep coming is alive.
 
 A peer that declares a neighbour down tells the peers in its view (gossip, :mod:`swarm.membership`);
 a receiver does not take the word of a stranger for it but pings the named peer once itself, so a
@@ -33,6 +39,7 @@ from collections.abc import Callable
 from hivemind.p2p import P2P
 
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
+from swarm.links import LinkMeter
 from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -99,10 +106,12 @@ class FailureDetector:
         max_failed_pings: int = 2,
         min_std: float = 0.1,
         on_link: Callable[[str, str], None] = lambda kind, peer_id: None,
+        links: LinkMeter | None = None,
     ) -> None:
         self.p2p, self.view, self.peer_id, self.stage, self.handler = p2p, view, peer_id, stage, handler
         self.on_down, self.ping_period, self.threshold = on_down, ping_period, threshold
         self.max_failed_pings, self.min_std, self.on_link = max_failed_pings, min_std, on_link
+        self.links = links if links is not None else LinkMeter()
         self.monitors: dict[str, PhiAccrual] = {}
         self._failed: collections.Counter = collections.Counter()
         self._pinging: dict[str, asyncio.Task] = {}
@@ -183,7 +192,7 @@ class FailureDetector:
                 continue
             monitor = self.monitors.setdefault(peer_id, PhiAccrual(min_std=self.min_std, first_interval=self.ping_period))
             if peer_id not in self._pinging:
-                deadline = max(self.ping_period, monitor.timeout(self.threshold))
+                deadline = max(self.ping_period, monitor.timeout(self.threshold), self.links.retransmit_timeout(peer_id) or 0.0)
                 self._pinging[peer_id] = asyncio.create_task(self._ping(peer_id, deadline))
 
     async def _recheck(self, peer_id: str) -> None:
@@ -199,26 +208,50 @@ class FailureDetector:
             self.view.restore(peer_id)
 
     async def _ping(self, peer_id: str, deadline: float) -> None:
+        """One ping. Past ``deadline`` it is a strike (unless this peer stalled or heard from the other
+        meanwhile) but goes on waiting up to twice that: an answer clears the strike and teaches the
+        link's round-trip estimate its queue; no answer by then is a second strike (down)."""
         started = time.monotonic()
+        self.num_pings += 1
+        ping = asyncio.ensure_future(self._ping_once(peer_id, 2 * deadline))
         try:
-            self.num_pings += 1
-            outcome = await self._ping_once(peer_id, deadline)
+            done, _ = await asyncio.wait({ping}, timeout=deadline)
+            if not done and self._counts_as_silence(peer_id, started) and self._strike(peer_id):
+                return  # declared down
+            outcome = await ping
         finally:
-            self._pinging.pop(peer_id, None)
+            ping.cancel()
+            if self._pinging.get(peer_id) is asyncio.current_task():
+                del self._pinging[peer_id]
         monitor = self.monitors.get(peer_id)
         if monitor is None:
             return
-        if outcome == "late" and (self._stalled_at >= started or time.monotonic() - self._last_tick > STALL_FACTOR * self.ping_period):
-            return  # we stalled while waiting: no verdict
         if outcome == "answered":
-            monitor.heartbeat(time.monotonic())
+            now = time.monotonic()
+            self.links.round_trip(peer_id, now - started)
+            monitor.heartbeat(now)
             if self._failed[peer_id]:
                 self.on_link("connect_link", peer_id)  # the link is back before the peer was declared down
             self._failed[peer_id] = 0
-            return
+        elif outcome == "refused" or self._counts_as_silence(peer_id, started):
+            self._strike(peer_id)
+
+    def _counts_as_silence(self, peer_id: str, since: float) -> bool:
+        """A ping unanswered since ``since`` says something only if this peer did not stall meanwhile
+        (its own ticks came on time) and nothing else of the other peer arrived (activations, answers:
+        a ping waits behind the same bytes on a congested link)."""
+        stalled = self._stalled_at >= since or time.monotonic() - self._last_tick > STALL_FACTOR * self.ping_period
+        return not stalled and not self.links.heard_since(peer_id, since)
+
+    def _strike(self, peer_id: str) -> bool:
+        """Count a missed or refused ping; True if that made ``peer_id`` down."""
         self._failed[peer_id] += 1
         if self._failed[peer_id] == 1:
             self.on_link("disconnect_link", peer_id)
-        if self._failed[peer_id] >= self.max_failed_pings:
-            logger.info(f"{peer_id[-6:]} refused {self._failed[peer_id]} pings in a row: down")
-            self.declare_down(peer_id, "detector")
+        if self._failed[peer_id] < self.max_failed_pings:
+            return False
+        if self._pinging.get(peer_id) is asyncio.current_task():
+            del self._pinging[peer_id]  # declare_down cancels the ping in flight: not this one
+        logger.info(f"{peer_id[-6:]} missed or refused {self._failed[peer_id]} pings in a row: down")
+        self.declare_down(peer_id, "detector")
+        return True

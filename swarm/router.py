@@ -51,6 +51,7 @@ from dht.rpc import (
     forward_handler,
 )
 from planner.claims import cap_to_median
+from swarm.links import LinkMeter
 from swarm.spot_check import SpotChecker
 from swarm.admission import NOT_MEMBER, RATE_LIMITED
 from swarm.view import SwarmView
@@ -146,9 +147,11 @@ class Router:
         reputation: Reputation | None = None,
         spot_checker: SpotChecker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        links: LinkMeter | None = None,
     ) -> None:
         self.p2p, self.view, self.run_id = p2p, view, run_id
         self.clock = clock
+        self.links = links if links is not None else LinkMeter()  # its answers say the next hop is alive
         self.spot_checker = spot_checker
         self.next_stage, self.next_stage_flops = next_stage, next_stage_flops
         self.request_timeout, self.max_payload_bytes = request_timeout, max_payload_bytes
@@ -278,6 +281,7 @@ class Router:
         self.latency[target] = seconds if before is None else (1 - LATENCY_EMA) * before + LATENCY_EMA * seconds
 
     def _record_answer(self, target: str, duration: float) -> None:
+        self.links.heard(target)
         self._probe.pop(target, None)
         self._smooth_latency(target, duration)
         if duration <= self.call_timeout():

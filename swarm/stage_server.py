@@ -39,6 +39,7 @@ from dht.reputation import Reputation
 from dht.rpc import REFUSAL_LOG, REQUEST_OUTCOMES, Declined, forward_handler, send_reply, serve_request
 from dht.wire import ProtocolError, require_tensor
 from swarm.admission import NOT_MEMBER, Admission
+from swarm.links import LinkMeter
 from swarm.model import activation_dtype
 from swarm.router import Router
 from swarm.stage import Stage
@@ -71,6 +72,7 @@ class StageServer:
         ledger: MicrobatchLedger | None = None,
         reputation: Reputation | None = None,
         admission: Admission | None = None,
+        links: LinkMeter | None = None,
     ) -> None:
         if (router is None) != stage.is_last:
             raise ValueError("every stage but the last needs a router to the next stage")
@@ -80,6 +82,7 @@ class StageServer:
         self.ledger = ledger  # None: the restart baseline, every delivery is computed and counted
         self.reputation = reputation
         self.admission = admission  # None: anybody not banned may push work (tests of the handler alone)
+        self.links = links if links is not None else LinkMeter()  # a sender's activations: alive, and its goodput
         self.num_refused = 0
         self.num_checks_served = 0  # spot-check recomputes answered (swarm/spot_check.py)
         self._local_ids = itertools.count()
@@ -154,11 +157,15 @@ class StageServer:
                 if self.reputation is not None:
                     self.reputation.strike(sender, "sent a malformed forward request")
 
+        def received(num_bytes: int, seconds: float) -> None:
+            self.links.heard(sender)
+            self.links.transfer(sender, num_bytes, seconds)
+
         task = asyncio.current_task()
         self._active.add(task)
         try:
             await serve_request(reader, writer, process, max_payload_bytes=max_payload_bytes,
-                                timeout=self.request_timeout, what="forward", on_outcome=count)
+                                timeout=self.request_timeout, what="forward", on_outcome=count, on_received=received)
         finally:
             self._active.discard(task)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ SLOW_READ = 4.0  # seconds; a DHT request waits up to 5 s for a silent node (dht
 # and come back with a few records or none, though every other peer still heartbeats (CI, 2026-11-26:
 # stage 0 saw no stage-1 peer for 13 s and stopped). Crashes are found sooner by the failure detector.
 CARRY_OVER = 30.0
+SLOW_REFRESH_FACTOR = 3  # a refresh this many periods long is worth a warning (at most one a minute)
+SLOW_WARNING_PERIOD = 60.0
 
 
 class SwarmView:
@@ -182,6 +185,7 @@ class SwarmView:
             self._task = None
 
     async def _refresh_loop(self) -> None:
+        warned = -math.inf
         while True:
             started = self.clock()
             try:
@@ -189,8 +193,10 @@ class SwarmView:
             except Exception as e:  # a DHT hiccup must not kill the loop: keep the last view
                 logger.debug(f"swarm view refresh failed: {e!r}")
             elapsed = self.clock() - started
-            if elapsed > self.refresh_period:
-                logger.warning(f"swarm view refresh took {elapsed:.2f}s, longer than its {self.refresh_period}s period")
+            if elapsed > SLOW_REFRESH_FACTOR * self.refresh_period and self.clock() - warned > SLOW_WARNING_PERIOD:
+                warned = self.clock()  # a DHT read takes a few round trips: on a slow link, over a second
+                logger.warning(f"swarm view refresh took {elapsed:.2f}s, {SLOW_REFRESH_FACTOR}x its "
+                               f"{self.refresh_period}s period or more (this peer sees others late)")
             await asyncio.sleep(self.refresh_period * random.uniform(0.8, 1.2))
 
 

@@ -15,7 +15,8 @@ from dht.registry import declare_peer
 from peer.backup import BackupKeeper
 from peer.config import PeerConfig
 from peer.event_log import EventLog
-from peer.session import PeerContext, StageSession
+from peer.context import PeerContext
+from peer.session import StageSession
 from swarm.data import load_corpus
 from swarm.stage import Stage
 from swarm.view import SwarmView

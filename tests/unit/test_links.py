@@ -1,0 +1,156 @@
+"""Link figures: the per-peer meter (swarm/links.py), what a record carries (dht/link_figures.py), and
+the failure detector's use of them: a slow or congested link is not a dead peer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dht.link_figures import MAX_LINK_FIGURES, LinkFigure, links_from_wire
+from dht.records import PeerRecord
+from swarm.failure_detector import FailureDetector, PhiAccrual
+from swarm.links import GOODPUT_SAMPLES, MIN_TRANSFER_BYTES, LinkMeter
+from swarm.view import SwarmView
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_round_trips_are_smoothed_as_tcp_does_and_the_timeout_follows_a_queue_that_builds():
+    clock = Clock()
+    meter = LinkMeter(clock=clock)
+    assert meter.rtt("b") is None and meter.retransmit_timeout("b") is None
+    meter.round_trip("b", 0.16)
+    assert meter.rtt("b") == pytest.approx(0.16) and meter.retransmit_timeout("b") == pytest.approx(0.16 + 4 * 0.08)
+    for _ in range(30):
+        meter.round_trip("b", 0.16)
+    idle = meter.retransmit_timeout("b")
+    assert idle == pytest.approx(0.16, abs=0.01)  # a steady link: the variance decays
+    meter.round_trip("b", 1.2)  # activations queue in front of the pings
+    assert meter.retransmit_timeout("b") > 1.2 > idle  # the next deadline already covers that round trip
+    meter.round_trip("b", -1.0)
+    meter.round_trip("b", 1e6)  # nonsense is ignored
+    assert meter.retransmit_timeout("b") > 1.2
+
+
+def test_goodput_is_the_median_of_large_transfers_and_small_ones_do_not_count():
+    meter = LinkMeter(clock=Clock())
+    meter.transfer("b", MIN_TRANSFER_BYTES - 1, 0.001)
+    assert meter.goodput("b") is None
+    for seconds in (0.2, 0.2, 0.2, 0.0001):  # the last one was already buffered: a burst, not a rate
+        meter.transfer("b", 500_000, seconds)
+    assert meter.goodput("b") == pytest.approx(2_500_000)
+    for _ in range(GOODPUT_SAMPLES):
+        meter.transfer("b", 500_000, 0.4)
+    assert meter.goodput("b") == pytest.approx(1_250_000)  # only the last few count: the link changed
+
+
+def test_heard_since_and_bounded_memory():
+    clock = Clock()
+    meter = LinkMeter(clock=clock, max_peers=3)
+    meter.heard("a")
+    clock.now += 1
+    assert meter.heard_since("a", clock.now - 1) and not meter.heard_since("a", clock.now)
+    for peer in ("b", "c", "d"):
+        meter.round_trip(peer, 0.05)
+    assert not meter.heard_since("a", 0.0), "the least recently heard peer is forgotten first"
+    assert meter.rtt("d") is not None
+
+
+def test_the_summary_is_bounded_rounded_and_round_trips_through_a_record():
+    clock = Clock()
+    meter = LinkMeter(clock=clock)
+    for i in range(MAX_LINK_FIGURES + 4):
+        meter.round_trip(f"peer{i:02d}", 0.012345 * (i + 1))
+    meter.transfer("peer11", 1_000_000, 0.4)
+    figures = meter.summary()
+    assert len(figures) == MAX_LINK_FIGURES
+    assert {f.peer_id for f in figures} == {f"peer{i:02d}" for i in range(4, MAX_LINK_FIGURES + 4)}  # the latest
+    assert next(f for f in figures if f.peer_id == "peer11").mbit_per_s == 20.0
+    assert next(f for f in figures if f.peer_id == "peer04").rtt_ms == 61.7
+    record = PeerRecord(peer_id="me", role="reliable", state="training", stage=0, flops=1.0, links=figures)
+    assert PeerRecord.from_wire(record.to_wire()) == record
+    assert "links" not in PeerRecord(peer_id="me", role="reliable", state="training", stage=0, flops=1.0).to_wire()
+
+
+@pytest.mark.parametrize("wire", [
+    [["b", 1.0, None]] * (MAX_LINK_FIGURES + 1),  # too many
+    [["b", -1.0, None]], [["b", float("nan"), None]], [["b", 1e9, None]], [["b", 1.0, float("inf")]],
+    [["", 1.0, None]], [["b" * 129, 1.0, None]], [["b", True, None]], [["b", 1.0]], ["b"], "b", {"b": 1},
+])
+def test_a_hostile_records_link_figures_are_refused(wire):
+    with pytest.raises(ValueError):
+        PeerRecord.from_wire({"peer_id": "me", "role": "reliable", "state": "training", "stage": 0, "flops": 1.0,
+                              "links": wire})
+
+
+def test_capped_figures_stay_valid():
+    figure = LinkFigure.capped("b", rtt_ms=1e12, mbit_per_s=-5.0)
+    assert links_from_wire([figure.to_wire()]) == (figure,) and figure.mbit_per_s == 0.0
+
+
+class ScriptedDetector(FailureDetector):
+    """A detector whose pings are answered when the test says so (an event per ping)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(None, SwarmView(None, "run"), peer_id="me", stage=0, handler="h",
+                         on_down=lambda peer_id, how: self.downs.append(peer_id), **kwargs)
+        self.downs: list[str] = []
+        self.answers: asyncio.Queue = asyncio.Queue()
+
+    async def _ping_once(self, peer_id: str, timeout: float) -> str:
+        try:
+            return await asyncio.wait_for(self.answers.get(), timeout)
+        except asyncio.TimeoutError:
+            return "late"
+
+
+async def _until(condition, what: str, deadline: float = 5.0) -> None:
+    async with asyncio.timeout(deadline):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+def test_a_ping_answered_after_its_deadline_clears_its_strike_and_stretches_the_next_deadline():
+    async def scenario():
+        detector = ScriptedDetector()
+        detector.monitors["b"] = PhiAccrual()
+        ping = asyncio.create_task(detector._ping("b", 0.05))
+        await _until(lambda: detector._failed["b"] == 1, "the strike at the deadline")
+        await detector.answers.put("answered")  # late, but it came
+        await ping
+        assert detector._failed["b"] == 0 and not detector.downs
+        assert detector.links.retransmit_timeout("b") > 0.05  # the next ping waits at least that long
+    asyncio.run(scenario())
+
+
+def test_a_ping_never_answered_is_two_strikes_and_a_refused_pair_is_too():
+    async def scenario():
+        detector = ScriptedDetector()
+        detector.monitors["b"] = PhiAccrual()
+        await detector._ping("b", 0.02)  # nobody answers: a strike at 0.02 s, the second at 0.04 s
+        assert detector.downs == ["b"] and "b" not in detector._pinging
+        detector.monitors["c"] = PhiAccrual()
+        for _ in range(2):
+            await detector.answers.put("refused")
+            await detector._ping("c", 1.0)
+        assert detector.downs == ["b", "c"]
+    asyncio.run(scenario())
+
+
+def test_a_silent_ping_is_no_strike_while_other_traffic_of_that_peer_arrives():
+    async def scenario():
+        detector = ScriptedDetector()
+        detector.monitors["b"] = PhiAccrual()
+        ping = asyncio.create_task(detector._ping("b", 0.05))
+        await _until(lambda: detector.num_pings == 1, "the ping to leave")
+        detector.links.heard("b")  # an activation of b's arrived after the ping left
+        await ping
+        assert detector._failed["b"] == 0 and not detector.downs
+    asyncio.run(scenario())
