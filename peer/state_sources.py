@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 SOURCES = ("holders", "local-backup", "backup-donor", "checkpoint", "seed")
 DISAGREEMENT_PATIENCE = 20.0  # seconds a joiner retries holders that serve different states (then takes one alone)
 DISAGREEMENT_RETRY = 2.0
+# a pull none of whose holders answered is tried again: on a slow link a first dial can time out, and
+# libp2p then refuses to dial that address again for a few seconds ("dial backoff", 5 s at first)
+UNREACHABLE_RETRIES = 3
+UNREACHABLE_RETRY = 6.0
 
 
 class StateLoader:
@@ -102,6 +106,7 @@ class StateLoader:
         self.progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
         # honest holders agree again after the next averaging round
         deadline = self.clock() + min(DISAGREEMENT_PATIENCE, 2 * spec.averaging_period + 2)
+        retries = UNREACHABLE_RETRIES
         while True:
             try:
                 result = await pull_stage_state(self.p2p, stage, holders, config=self.config,
@@ -121,6 +126,13 @@ class StateLoader:
                 await self.view.refresh()
                 holders = [r for r in self.view.members(stage.index)
                            if r.peer_id != self.peer_id and r.peer_id not in self.refused] or holders
+            except TransferError as e:
+                if (retries := retries - 1) < 0:
+                    raise
+                logger.info(f"could not pull stage {stage.index} from its holders ({e}); trying again in "
+                            f"{UNREACHABLE_RETRY:.0f}s")
+                await asyncio.sleep(UNREACHABLE_RETRY)
+                await self.view.refresh()
             if not holders:
                 return False  # every holder served a state no training makes: the next source, else the seed
         self.progress.finish()
