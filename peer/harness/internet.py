@@ -162,6 +162,12 @@ class Internet:
         host.link = link
         self._shape(host)
 
+    def link_bytes(self, host: Host) -> tuple[int, int]:
+        """Bytes the host's access link has carried so far: (upload, download)."""
+        edge = host.router_namespace or host.namespace
+        up = _tx_bytes(edge, "wan" if host.nat else "eth0")
+        return up, _tx_bytes(self.core, f"h{host.index}")
+
     def delay_line_stats(self) -> dict:
         """The delay line's counters since the last call (packets, drops, how late it wrote them)."""
         if self._delay_line is None or self._delay_line.poll() is not None:
@@ -325,6 +331,11 @@ def sweep_leftovers() -> list[str]:
             remove_namespace(name)
             removed.append(name)
     return removed
+
+
+def _tx_bytes(namespace: str, device: str) -> int:
+    shown = json.loads(_in(namespace, "ip", "-s", "-j", "link", "show", "dev", device).stdout)
+    return int(shown[0]["stats64"]["tx"]["bytes"])
 
 
 def _alive(pid: int) -> bool:
