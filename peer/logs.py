@@ -35,13 +35,14 @@ class _AveragerRaceFilter(logging.Filter):
 
 
 class _FailedRoundFilter(logging.Filter):
-    """hivemind's ``DecentralizedAverager._step`` logs the traceback of a round it gives up (no group
-    found, a partner gone, a stream broken), then hands the same error to its caller, which logs the
+    """hivemind's ``DecentralizedAverager._step`` (and ``_aggregate_with_group`` under it) logs the
+    traceback of a round it gives up (no group found, a partner gone, a stream broken, a reducer
+    whose part did not arrive), then hands the same error to its caller, which logs the
     failed round in one line (swarm/averaging.py). On a slow link that happens every few rounds; a
     volunteer should read one sentence, not a traceback. Shown only at DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.funcName != "_step" or not record.exc_info:
+        if record.funcName not in ("_step", "_aggregate_with_group") or not record.exc_info:
             return True
         return logging.getLogger().isEnabledFor(logging.DEBUG)
 

@@ -13,7 +13,8 @@ this late), so it follows what the link and the host actually do: tight on an id
 on a busy one; and never shorter than the link's retransmission timeout (``srtt + 4 rttvar`` of the
 pings' own round trips, ``swarm.links``), so a link whose queue fills with activations stretches the
 deadline instead of failing it. A ping that misses its deadline is a strike but keeps waiting, up to
-twice the deadline: an answer clears the strike and teaches the estimate the new round trip; no
+twice the deadline (the first ping to a peer, which may have to open the connection, at least
+``FIRST_PING_DEADLINE``): an answer clears the strike and teaches the estimate the new round trip; no
 answer by then is a second strike. ``max_failed_pings`` (2) strikes in a row, missed or refused
 outright (the peer's daemon is gone), declare the neighbour down. No strike counts while this peer
 itself stalled (its own ticks came late: a busy host), so an overloaded observer does not declare
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 RECHECK_PERIOD = 2.0  # seconds between pings to a peer declared down whose record is still fresh
 STALL_FACTOR = 3  # a tick this many ping periods late means this peer stalled, not its neighbours
 VOUCH_WINDOW = 5.0  # seconds after its last answered ping that a neighbour counts as answering (vouches_for)
+# the first ping to a peer may open the connection (TCP, multistream, noise, yamux: 5-6 round trips,
+# over a second at a home link's 150-300 ms): until a round trip is measured, it gets this long
+FIRST_PING_DEADLINE = 2.0
 
 
 class PhiAccrual:
@@ -148,8 +152,16 @@ class FailureDetector:
         return True
 
     async def check(self, peer_id: str, *, timeout: float = 1.0) -> bool:
-        """Is ``peer_id`` answering? (one ping, used to verify a rumour)"""
-        return await self._ping_once(peer_id, timeout) == "answered"
+        """Is ``peer_id`` answering? (one ping, used to verify a rumour); it waits at least twice the
+        link's retransmission timeout (the first ping to a peer, FIRST_PING_DEADLINE), so a slow link
+        does not confirm a false rumour."""
+        rto = self.links.retransmit_timeout(peer_id)
+        timeout = max(timeout, FIRST_PING_DEADLINE if rto is None else 2 * rto)
+        started = time.monotonic()
+        answered = await self._ping_once(peer_id, timeout) == "answered"
+        if answered:
+            self.links.round_trip(peer_id, time.monotonic() - started)
+        return answered
 
     async def _ping_once(self, peer_id: str, timeout: float) -> str:
         """"answered", "late" (no answer by ``timeout``) or "refused" (could not reach it)."""
@@ -192,7 +204,8 @@ class FailureDetector:
                 continue
             monitor = self.monitors.setdefault(peer_id, PhiAccrual(min_std=self.min_std, first_interval=self.ping_period))
             if peer_id not in self._pinging:
-                deadline = max(self.ping_period, monitor.timeout(self.threshold), self.links.retransmit_timeout(peer_id) or 0.0)
+                rto = self.links.retransmit_timeout(peer_id)
+                deadline = max(self.ping_period, monitor.timeout(self.threshold), FIRST_PING_DEADLINE if rto is None else rto)
                 self._pinging[peer_id] = asyncio.create_task(self._ping(peer_id, deadline))
 
     async def _recheck(self, peer_id: str) -> None:
