@@ -1,6 +1,7 @@
-"""Goodput under churn: crashes, graceful leaves and rejoins on loopback, ours against the SWARM baseline (issue 5).
+"""Goodput under churn: crashes, graceful leaves and rejoins, ours against the SWARM baseline (issues 5, 15).
 
     python bench/churn.py [--minutes 10] [--event-period 30] [--peers 6] [--seed 0] [--modes no_churn,ours,baseline]
+                          [--link 20/40]
 
 Each mode, one after the other in one invocation (this machine is noisy: compare within one run):
 
@@ -72,6 +73,11 @@ Prints one JSON line per mode: ``{"bench": "churn", "mode", "goodput_ratio", "sa
 Logs and events go to a temporary directory, deleted at the end; ``--keep-dir`` keeps them with each
 mode's ``run.json`` (window, applied trace, how each peer ended), from which ``--reanalyze DIR``
 prints the lines again without starting anything (e.g. with another ``--recover-window``).
+
+``--link RATE_MBIT/ONE_WAY_DELAY_MS`` (e.g. ``20/40``; root) runs every process of a mode (bootstrap,
+peers, each rejoiner afresh) on its own host of the emulated internet (:class:`bench.host_pool.HostPool`),
+whose access link has that rate both ways and that one-way delay (two peers are 4 x delay apart), rather
+than on 127.0.0.1: where a restart from stage 0 pays every hop's transfers again. Lines carry ``"link"``.
 """
 
 from __future__ import annotations
@@ -88,7 +94,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -98,6 +103,8 @@ from bench.churn_metrics import (  # noqa: E402
     detect_delays, false_suspicions, integrate, make_trace, per_peer_rates, pre_crash_ratios, recover_delays,
     samples_between, spread, stage_counts,
 )
+from bench.churn_runs import load_run, save_run  # noqa: E402
+from bench.host_pool import HostPool, parse_link  # noqa: E402
 
 MODES = ("no_churn", "ours", "baseline")
 RECOVERY = {"no_churn": "replay", "ours": "replay", "baseline": "restart"}
@@ -159,12 +166,18 @@ def run_mode(mode: str, trace: list[TraceEvent], args: argparse.Namespace, workd
     """Runs one mode's swarm through the window; returns what happened (no metrics yet)."""
     from peer.harness.local_swarm import LocalSwarm
 
+    events = trace if mode != "no_churn" else []
+    hosts = None if args.link is None else HostPool(
+        parse_link(args.link), num_hosts=1 + args.peers + sum(e.kind == "rejoin" for e in events), seed=args.seed)
     swarm = LocalSwarm(workdir / mode, run_id=f"churn-{mode.replace('_', '-')}")
     try:
-        tracked, start_peer = start_swarm(swarm, args, peer_args(RECOVERY[mode] if has_recovery else None, args))
+        if hosts is not None:
+            hosts.start()  # inside the try: a failed start still tears down what it built
+        flags = peer_args(RECOVERY[mode] if has_recovery else None, args)
+        tracked, start_peer = start_swarm(swarm, args, flags, place=hosts.next_placement if hosts else dict)
         time.sleep(args.warmup)
         window_start = time.time()
-        applied = run_trace(trace if mode != "no_churn" else [], tracked, start_peer, window_start=window_start)
+        applied = run_trace(events, tracked, start_peer, window_start=window_start)
         watch_until(window_start + args.minutes * 60, tracked)
         window_end = time.time()
         drain_first_stage(tracked, args.drain_timeout)
@@ -173,6 +186,8 @@ def run_mode(mode: str, trace: list[TraceEvent], args: argparse.Namespace, workd
         raise
     finally:
         swarm.shutdown(timeout=30)
+        if hosts is not None:
+            hosts.shutdown()
     note_drained(tracked)
     return {"window": (window_start, window_end), "peers": tracked, "applied": applied}
 
@@ -186,16 +201,18 @@ def peer_args(recovery: str | None, args: argparse.Namespace) -> list[str]:
     return flags + list(args.peer_arg)
 
 
-def start_swarm(swarm, args: argparse.Namespace, flags: list[str]) -> tuple[list[TrackedPeer], Callable[[], TrackedPeer]]:
+def start_swarm(swarm, args: argparse.Namespace, flags: list[str], *,
+                place: Callable[[], dict] = dict) -> tuple[list[TrackedPeer], Callable[[], TrackedPeer]]:
     """Starts the bootstrap (``args.stages``, ``args.seed``) and ``args.peers`` peers with ``flags`` on
     ``swarm`` (a :class:`peer.harness.local_swarm.LocalSwarm`) and waits until every peer trains. Returns the
-    tracked peers (a list that grows with every later start) and the function that starts one more."""
+    tracked peers (a list that grows with every later start) and the function that starts one more.
+    ``place()``, called once per process started, gives its ``host``/``command_prefix`` (default: none, loopback)."""
     from peer.harness.local_swarm import wait_for
 
     tracked: list[TrackedPeer] = []
 
     def start_peer() -> TrackedPeer:
-        peer = TrackedPeer(swarm.start_peer(*flags))
+        peer = TrackedPeer(swarm.start_peer(*flags, **place()))
         tracked.append(peer)
         return peer
 
@@ -206,7 +223,7 @@ def start_swarm(swarm, args: argparse.Namespace, flags: list[str]) -> tuple[list
                 raise RuntimeError(f"{peer.name} exited while starting:\n{peer.proc.log_tail()}")
         return all(p.stage is not None for p in tracked)
 
-    swarm.start_bootstrap("--num-stages", str(args.stages), "--seed", str(args.seed))
+    swarm.start_bootstrap("--num-stages", str(args.stages), "--seed", str(args.seed), **place())
     for _ in range(args.peers):
         start_peer()
     wait_for(all_training, args.start_timeout, "every peer to train", period=POLL_PERIOD)
@@ -371,7 +388,7 @@ def summarize(mode: str, run: dict, args: argparse.Namespace, *, reference: dict
         "peers": args.peers, "stages": num_stages(run),
         "peers_per_stage_at_end": [sum(1 for life in alive_at_end if life.stage == k) for k in range(num_stages(run))],
         "minutes": round((end - start) / 60, 2), "event_period": args.event_period, "seed": args.seed,
-        "recovery": recovery,
+        "recovery": recovery, "link": getattr(args, "link", None),  # runs kept before --link were on loopback
         "trace": [trace_entry(e, lives) for e in run["applied"]],
     }
 
@@ -403,6 +420,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds for stage-0 peers to drain at the end")
     parser.add_argument("--peer-arg", action="append", default=[], help="extra run_peer.py argument (repeat, e.g. "
                         "--peer-arg=--max-in-flight --peer-arg=8)")
+    parser.add_argument("--link", default=None, metavar="RATE_MBIT/ONE_WAY_DELAY_MS", help="run every process on "
+                        "its own host of the emulated internet with this access link, e.g. 20/40 (root; default: loopback)")
     parser.add_argument("--keep-dir", type=Path, default=None, help="keep logs, events files and each mode's "
                         "run.json here")
     parser.add_argument("--reanalyze", type=Path, default=None, help="start nothing: print the lines again from "
@@ -413,6 +432,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--modes must name some of {', '.join(MODES)}")
     if not (args.minutes > 0 and args.event_period > 0 and args.recover_window > 0):
         parser.error("--minutes, --event-period and --recover-window must be positive")
+    if args.link is not None:
+        try:
+            parse_link(args.link)
+        except ValueError as e:
+            parser.error(f"--link: {e}")
     return args
 
 
@@ -435,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in sorted(args.modes, key=MODES.index):  # no_churn first: the others' capacity comes from it
             run = run_mode(mode, trace, args, workdir, has_recovery=has_recovery)
             run["settings"] = {"peers": args.peers, "stages": args.stages, "event_period": args.event_period, "seed": args.seed,
-                               "recovery": RECOVERY[mode] if has_recovery else "unsupported"}
+                               "recovery": RECOVERY[mode] if has_recovery else "unsupported", "link": args.link}
             if args.keep_dir is not None:
                 save_run(run, workdir / mode / "run.json")
             report(mode, run, args, lines)
@@ -456,28 +480,6 @@ def report(mode: str, run: dict, args: argparse.Namespace, lines: dict[str, dict
             if ours["goodput_ratio"] and baseline["goodput_ratio"] else None}
     print(json.dumps(line), flush=True)
     lines[mode] = {**line, "_reference": reference_of(run) if mode == "no_churn" else None}
-
-
-def save_run(run: dict, path: Path) -> None:
-    """What the events files do not say (window, applied trace, how each peer ended), for --reanalyze."""
-    peers = [{"name": p.name, "events_file": p.proc.metrics_path.name, "gone_at": p.gone_at, "crashed": p.crashed,
-              "drained": p.drained} for p in run["peers"]]
-    path.write_text(json.dumps({"window": run["window"], "applied": run["applied"], "settings": run["settings"],
-                                "peers": peers}))
-
-
-def load_run(path: Path) -> dict:
-    saved = json.loads(path.read_text())
-    peers = []
-    for p in saved["peers"]:
-        events = []
-        for line in (path.parent / p.pop("events_file")).read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # the last line of a killed peer
-        peers.append(SimpleNamespace(events=events, **p))
-    return {**saved, "window": tuple(saved["window"]), "peers": peers}
 
 
 def reanalyze(args: argparse.Namespace) -> int:
