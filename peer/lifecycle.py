@@ -168,7 +168,7 @@ class Peer:
                                view=self.view, base_spec=self.base_spec, keeper=self.keeper, metrics=self.metrics,
                                reputation=self.reputation, faults=self.faults, tokens=self.data.tokens)
         self.loader = StateLoader(self.p2p, self.view, peer_id=self.peer_id, config=config, keeper=self.keeper,
-                                  metrics=self.metrics, reputation=self.reputation, traffic=TRAFFIC)
+                                  metrics=self.metrics, reputation=self.reputation, traffic=TRAFFIC, links=self.ctx.links)
         await self.loader.load(self.stage, self.spec, seen=snapshot)
 
     def _layout_to_join(self) -> RunSpec:

@@ -34,6 +34,7 @@ from peer.join import ImplausibleStateError, pull_stage_state, stage_state_bytes
 from peer.status.local import SyncProgress
 from replication.pull_report import DisagreementError, PullReport
 from replication.transfer import PullResult, TransferError
+from swarm.links import LinkMeter
 from swarm.plausibility import implausible, state_drift
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -64,10 +65,11 @@ class StateLoader:
 
     def __init__(self, p2p, view: SwarmView, *, peer_id: str, config: PeerConfig, keeper: BackupKeeper | None,
                  metrics: EventLog, reputation: Reputation | None, traffic,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, links: LinkMeter | None = None) -> None:
         self.p2p, self.view, self.peer_id, self.config = p2p, view, peer_id, config
         self.keeper, self.metrics, self.reputation, self.traffic = keeper, metrics, reputation, traffic
         self.clock = clock
+        self.links = links if links is not None else LinkMeter()  # a pull's probes and rates feed the link figures
         self.progress: SyncProgress | None = None  # the last (or current) download's
         self.refused: set[str] = set()  # holders whose state was implausible (swarm/plausibility.py)
 
@@ -236,6 +238,11 @@ class StateLoader:
         digest = await stage.run(stage.params_digest)  # what was loaded, for tests and reports
         report = result.report
         stage.loaded_from = tuple(report.donors)
+        for donor, (request_seconds, _) in report.links.items():
+            self.links.round_trip(donor, request_seconds)
+        for donor, per_byte in report.measured_per_byte.items():
+            if per_byte > 0:
+                self.links.rate(donor, 1 / per_byte)
         self.metrics.write("state_download", version=result.version, seconds=report.seconds,
                            bytes_by_donor=report.bytes_by_donor, failed_donors=report.failed_donors,
                            donors=report.donors, num_duplicated=report.num_duplicated,

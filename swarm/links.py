@@ -8,8 +8,8 @@ Three figures per peer, each from traffic the swarm sends anyway:
   :meth:`LinkMeter.retransmit_timeout` (``srtt + 4 rttvar``) is the time after which a ping's
   silence starts to mean something.
 - **goodput**, the median of the last few large transfers received from that peer: forward requests
-  (activations) timed from their header to their last payload byte, and state pieces pulled from a
-  donor. A median, not a mean: a payload already buffered when its handler ran reads as a burst.
+  (activations) timed from their header to their last payload byte, and a state pull's measured
+  per-donor rate (its probes give round-trip samples too). A median, not a mean: a payload already buffered when its handler ran reads as a burst.
 - **last heard**: when any request or answer of that peer last arrived. A peer whose activations or
   answers keep arriving is alive, whatever its pings say (a ping waits behind the same bytes).
 
@@ -72,6 +72,11 @@ class LinkMeter:
         link = self._link(peer_id)
         link.last_heard = self.clock()
         link.goodput.append(num_bytes / seconds)
+
+    def rate(self, peer_id: str, bytes_per_s: float) -> None:
+        """A goodput measured elsewhere (a state pull's per-donor rate), as one transfer sample."""
+        if bytes_per_s > 0:
+            self._link(peer_id).goodput.append(bytes_per_s)
 
     def rtt(self, peer_id: str) -> float | None:
         link = self._links.get(peer_id)

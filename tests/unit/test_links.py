@@ -49,6 +49,10 @@ def test_goodput_is_the_median_of_large_transfers_and_small_ones_do_not_count():
     for _ in range(GOODPUT_SAMPLES):
         meter.transfer("b", 500_000, 0.4)
     assert meter.goodput("b") == pytest.approx(1_250_000)  # only the last few count: the link changed
+    meter.rate("c", 0.0)
+    assert meter.goodput("c") is None
+    meter.rate("c", 3e6)  # a state pull's measured rate of that donor
+    assert meter.goodput("c") == 3e6
 
 
 def test_heard_since_and_bounded_memory():
