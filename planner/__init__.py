@@ -11,6 +11,8 @@ The package holds two kinds of planner, one per place:
 
   - ``stage_choice``: the join decision (the stage of largest throughput deficit, concurrent
     joiners placed in announce order) and rebalancing with hysteresis (``choose_move``);
+  - ``reachability``: a dial-back check's verdict (direct, relayed, unreachable) and what a relayed
+    peer adds to a stage it must be dialled for;
   - ``backup_plan``: who keeps the backup of a lone holder's stage and who rescues a lost stage;
   - ``claims``: bounds on the figures peers claim about themselves (FLOP/s, samples/s, backup
     versions) by the other peers' figures, so one liar cannot steer those decisions;
