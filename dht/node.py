@@ -4,6 +4,13 @@ A node gets an RSA record key (for signed records) next to its libp2p identity. 
 files so that a bootstrap node keeps its peer id, multiaddr and record ownership across restarts.
 The identity key is created here, not by the p2p daemon, so that this process can bind its records
 to its peer id (:mod:`dht.identity`); the daemon is started from it.
+
+Behind a NAT (docs/nat.md) a node reserves a slot on the relays it was granted (``relays``): the
+daemon's auto-relay with exactly those as static relays. hivemind 1.1.12's ``P2P.create`` has no
+argument for the daemon's ``-relayDiscovery`` flag, and with discovery on, go-libp2p's auto-relay
+waits for 4 relay candidates or 3 minutes before it reserves (measured: 195 s in a swarm of two
+public peers); so the DHT's own process adds ``-relayDiscovery=0`` to its daemon's command line
+(:class:`_StaticRelayDHT`), which makes the reservation take well under a second.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from dataclasses import dataclass
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -42,6 +49,13 @@ class DHTNodeConfig:
             The RSA key for signed records is kept next to it as ``<identity_path>.rsa``.
         client_mode: if True the node does not accept incoming connections (behind NAT, no relay).
         start_timeout: seconds to wait for the node to start and reach a bootstrap peer.
+        relays: multiaddrs (``.../p2p/<id>``) of the relays to reserve a slot on (behind a NAT); empty: none.
+        daemon_reachability: what the daemon's AutoNAT is told: "private" pins the relay service the
+            daemon starts with and turns hole punching on (docs/nat.md says why every peer of ours
+            says "private"); None leaves it to AutoNAT.
+        identity: run as this identity instead of ``identity_path``'s or a fresh one (the same
+            peer id for a reachability probe and the node after it); hivemind's "is this identity
+            taken" check is then skipped.
     """
 
     initial_peers: tuple[str, ...] = ()
@@ -50,9 +64,14 @@ class DHTNodeConfig:
     identity_path: str | None = None
     client_mode: bool = False
     start_timeout: float = 30.0
+    relays: tuple[str, ...] = ()
+    daemon_reachability: str | None = None
+    identity: PeerIdentity | None = None
 
     def __post_init__(self) -> None:
-        for addr in (*self.initial_peers, *self.host_maddrs, *self.announce_maddrs):
+        if self.daemon_reachability not in (None, "public", "private"):
+            raise ValueError(f"daemon_reachability must be None, public or private, not {self.daemon_reachability!r}")
+        for addr in (*self.initial_peers, *self.host_maddrs, *self.announce_maddrs, *self.relays):
             try:
                 Multiaddr(addr)
             except Exception as e:  # multiaddr raises several unrelated types
@@ -72,21 +91,19 @@ def open_dht(config: DHTNodeConfig) -> tuple[hivemind.DHT, RSASignatureValidator
     """
     private_key = _load_record_key(config.identity_path)
     validator = RSASignatureValidator(private_key)
-    identity, is_new = open_identity(config.identity_path)
-    kwargs = {}
-    if config.announce_maddrs:
-        kwargs["announce_maddrs"] = list(config.announce_maddrs)
+    identity, is_new = (config.identity, True) if config.identity is not None else open_identity(config.identity_path)
+    kwargs = _p2p_options(config)
     if is_new or not identity.is_rsa:
         kwargs["check_if_identity_free"] = False  # nobody has it yet; hivemind's check reads RSA keys only
     temporary_dir = None
-    identity_path = config.identity_path
-    if identity_path is None:  # a throw-away identity: the daemon reads it from a private file at start
+    identity_path = config.identity_path if config.identity is None else None
+    if identity_path is None:  # a throw-away identity (or one given): the daemon reads it from a private file at start
         temporary_dir = tempfile.mkdtemp(prefix="murmuration-id-")
         identity_path = os.path.join(temporary_dir, "identity")
         fd = os.open(identity_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(identity.to_bytes())
-    dht = hivemind.DHT(
+    dht = (_StaticRelayDHT if config.relays else hivemind.DHT)(
         initial_peers=list(config.initial_peers) or None,
         host_maddrs=list(config.host_maddrs),
         client_mode=config.client_mode,
@@ -109,6 +126,37 @@ def open_dht(config: DHTNodeConfig) -> tuple[hivemind.DHT, RSASignatureValidator
     _check_peer_id(dht, identity)
     register_identity(dht, identity)
     return dht, validator
+
+
+def _p2p_options(config: DHTNodeConfig) -> dict:
+    """hivemind.DHT's options for the daemon, beyond what every node passes."""
+    kwargs: dict = {}
+    if config.announce_maddrs:
+        kwargs["announce_maddrs"] = list(config.announce_maddrs)
+    if config.relays:
+        kwargs.update(use_auto_relay=True, trusted_relays=list(config.relays))
+    if config.daemon_reachability is not None:
+        kwargs["force_reachability"] = config.daemon_reachability
+    return kwargs
+
+
+class _StaticRelayDHT(hivemind.DHT):
+    """A ``hivemind.DHT`` whose daemon reserves on its trusted relays only (``-relayDiscovery=0``).
+
+    The flag is added in the DHT's own process (``run`` is called there, after the fork), to the
+    daemon started with ``trustedRelays``; the parent process's hivemind is left as it was.
+    """
+
+    def run(self) -> None:
+        make_args = P2P._make_process_args
+
+        def with_static_relays(*args: object, **kwargs: object) -> list[str]:
+            if "trustedRelays" in kwargs:  # the node's daemon (not hivemind's identity-check daemon)
+                kwargs["relayDiscovery"] = False
+            return make_args(*args, **kwargs)
+
+        P2P._make_process_args = staticmethod(with_static_relays)
+        super().run()
 
 
 def _check_peer_id(dht: hivemind.DHT, identity: PeerIdentity) -> None:

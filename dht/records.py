@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dht.link_figures import MAX_LINK_FIGURES, LinkFigure, links_from_wire
+from planner.reachability import REACHABILITIES
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RUNS_KEY = "murmuration.runs"
@@ -316,6 +317,10 @@ class PeerRecord:
             free when it started), so a re-plan gives it no more layers than it can hold; 0: not said.
         links: what it measured of its links to a few peers it talks to (round-trip time, goodput;
             ``dht.link_figures``), at most 8; empty until it has measured any.
+        reachability: whether others can dial it (``planner.reachability``): "direct", "relayed"
+            (through a relay slot on a public peer, and hole punching) or "unreachable" (a client of
+            stage 0). Left off the wire when "direct", so records of peers older than the field read
+            as what they were taken for.
         peer_key: the libp2p public key its peer id hashes (RSA identities; empty when the peer id
             inlines the key, as Ed25519 ones do).
         peer_signature: the binding: the identity key's signature of the run id and the record key
@@ -348,6 +353,7 @@ class PeerRecord:
     layout_map: tuple[int, ...] = ()
     memory_bytes: int = 0
     links: tuple[LinkFigure, ...] = ()
+    reachability: str = "direct"
     peer_key: bytes = b""
     peer_signature: bytes = b""
 
@@ -382,6 +388,8 @@ class PeerRecord:
             raise ValueError(f"layout_map must be at most {MAX_STAGES} stage indices (or -1)")
         if not isinstance(self.links, tuple) or links_from_wire(self.links) != self.links:
             raise ValueError(f"links must be a tuple of at most {MAX_LINK_FIGURES} link figures")
+        if self.reachability not in REACHABILITIES:
+            raise ValueError(f"reachability must be one of {REACHABILITIES}, got {self.reachability!r:.40}")
         if len(self.maddrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in self.maddrs):
             raise ValueError("maddrs must be at most 16 strings")
         if not isinstance(self.params_digest, str) or len(self.params_digest) > 128:
@@ -402,6 +410,8 @@ class PeerRecord:
         wire["links"] = [figure.to_wire() for figure in self.links]
         if not self.links:
             del wire["links"]  # none measured (and records of peers older than the field): the default
+        if self.reachability == "direct":
+            del wire["reachability"]  # the default, and what peers older than the field were taken for
         if math.isnan(self.val_loss):
             del wire["val_loss"]  # none yet (every peer but stage 0's): read back as the default NaN
         if not with_binding:
