@@ -15,6 +15,7 @@ from peer.config import BootstrapConfig, PeerConfig
 from peer.gather import GatheredModel, gather_model
 from peer.model_sample import SampleLoop
 from peer.profiler import stage_memory_bytes
+from peer.reachability import is_loopback_only, open_public_services
 from peer.relayout import newest_layout_records
 from peer.status.service import StatusService, StatusSource
 from replication.run_files import RunFileServer
@@ -110,32 +111,43 @@ class BootstrapNode:
         self.publishes = True  # false for a second bootstrap of another key's run (find_owner)
 
     def start(self) -> list[str]:
-        """Start the DHT node; returns the multiaddrs peers should use (also written to a file if asked)."""
+        """Start the DHT node; returns the multiaddrs peers should use (:meth:`serve` writes them to
+        ``--maddrs-file`` once it answers the peers' dial-back checks)."""
+        local = is_loopback_only(self.config.host_maddrs)  # else its relay is pinned (peer.reachability)
         node_config = DHTNodeConfig(initial_peers=self.config.initial_peers, host_maddrs=self.config.host_maddrs,
-                                    announce_maddrs=self.config.announce_maddrs, identity_path=self.config.identity_path)
+                                    announce_maddrs=self.config.announce_maddrs, identity_path=self.config.identity_path,
+                                    daemon_reachability=None if local else "private")
         self.dht, self.validator = open_dht(node_config)
         self.owner = owner_fingerprint(self.validator.local_public_key)
-        maddrs = visible_maddrs(self.dht)
+        return visible_maddrs(self.dht)
+
+    def _write_maddrs_file(self) -> None:
         if self.config.maddrs_file:
             tmp = self.config.maddrs_file + ".tmp"
             with open(tmp, "w") as f:
-                f.write("\n".join(maddrs) + "\n")
+                f.write("\n".join(visible_maddrs(self.dht)) + "\n")
             os.replace(tmp, self.config.maddrs_file)  # readers never see a half-written file
-        return maddrs
 
     async def serve(self, stop: asyncio.Event) -> None:
-        if not self.publishes:
-            await stop.wait()  # a DHT entry point of another owner's run: it publishes nothing
-            return
-        if isinstance(self.tokenizer, BpeTokenizer):
-            self.file_server = RunFileServer(await self.dht.replicate_p2p(), self.spec.run_id,
-                                             {self.tokenizer.id: self.tokenizer.blob})
-            await self.file_server.start()
+        """Publish the run spec until ``stop``; meanwhile dial peers back that ask whether others can
+        reach them, and relay for up to ``--relay-slots`` of those behind NATs (``peer.reachability``)."""
+        p2p = await self.dht.replicate_p2p()
+        slots = 0 if is_loopback_only(self.config.host_maddrs) else self.config.relay_slots
+        services = await open_public_services(p2p, relay_slots=slots)
+        self._write_maddrs_file()  # the harness's "up": peers that start now find the checks answered
         try:
+            if not self.publishes:
+                await stop.wait()  # a DHT entry point of another owner's run: it publishes nothing
+                return
+            if isinstance(self.tokenizer, BpeTokenizer):
+                self.file_server = RunFileServer(p2p, self.spec.run_id, {self.tokenizer.id: self.tokenizer.blob})
+                await self.file_server.start()
             await self._publish(stop)
         finally:
             if self.file_server is not None:
                 await self.file_server.shutdown()
+            for service in services:
+                await service.shutdown()
 
     async def _publish(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -38,6 +38,8 @@ class PeerConfig:
     client_mode: bool = field(default=False, metadata=_help("accept no incoming DHT/averaging connections (behind NAT without relay)"))
     host_maddrs: tuple[str, ...] = field(default=(DEFAULT_HOST_MADDR,), metadata=_help("addresses to listen on"))
     announce_maddrs: tuple[str, ...] = field(default=(), metadata=_help("addresses to announce, if others must reach you at a different address (port forwarding)"))
+    reachability: str = field(default="auto", metadata=_help("auto: at start a few peers dial this peer back to learn whether others can reach it; behind a NAT it then takes a relay slot on a public peer, or, with none, trains as a client of stage 0 (docs/nat.md; skipped on loopback); direct: skip the check, others can dial --host-maddrs/--announce-maddrs (a port forward)"))
+    relay_slots: int = field(default=8, metadata=_help("peers behind NATs this peer relays for at most, when others can dial it (0: none); each costs at most 0.28 Mbit/s of upload (the relay carries only the DHT's requests and hole punching's messages), and at most a quarter of --max-upload-mbps goes to relaying"))
     identity_path: str | None = field(default=None, metadata=_help("file keeping this peer's identity across restarts (created if missing)"))
     stage: int = field(default=-1, metadata=_help("serve this stage instead of negotiating one (-1: negotiate)"))
     device: str = field(default="auto", metadata=_help("torch device: auto (CUDA if present), cpu, cuda, cuda:N"))
@@ -97,6 +99,10 @@ class PeerConfig:
             raise ValueError(f"--run-owner must be the 32 hex digits the bootstrap prints, got {self.run_owner!r:.60}")
         if self.role not in ("auto", "reliable", "unreliable"):
             raise ValueError(f"--role must be auto, reliable or unreliable, got {self.role!r}")
+        if self.reachability not in ("auto", "direct"):
+            raise ValueError(f"--reachability must be auto or direct, got {self.reachability!r}")
+        if self.relay_slots < 0:
+            raise ValueError("--relay-slots must be >= 0")
         if self.role == "reliable" and self.client_mode:
             raise ValueError("a reliable peer must accept connections: drop --client-mode or use --role unreliable")
         if self.stage < -1:
@@ -154,6 +160,7 @@ class BootstrapConfig:
     identity_path: str | None = field(default=None, metadata=_help("file keeping the peer id (and so the multiaddr) across restarts (created if missing)"))
     initial_peers: tuple[str, ...] = field(default=(), metadata=_help("other bootstrap nodes of the same swarm to connect to"))
     maddrs_file: str | None = field(default=None, metadata=_help("also write the multiaddrs to this file, one per line"))
+    relay_slots: int = field(default=8, metadata=_help("peers behind NATs this node relays for at most (0: none); each costs at most 0.28 Mbit/s of upload (docs/nat.md)"))
     run_id: str = field(default="demo", metadata=_help("name of the run to publish"))
     preset: str = field(default="", metadata=_help("a named Llama-style model instead of the model flags: tiny (0.8 M parameters), small (24 M), medium (178 M), large (0.93 B); bytes as tokens"))
     model_family: str = field(default="gpt", metadata=_help("gpt (GPT-2 style) or llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)"))
@@ -186,6 +193,8 @@ class BootstrapConfig:
     def __post_init__(self) -> None:
         check_status_port(self.status_port)
         check_run_id(self.run_id)
+        if self.relay_slots < 0:
+            raise ValueError("--relay-slots must be >= 0")
         if not (math.isfinite(self.sample_period) and self.sample_period >= 0):
             raise ValueError("--sample-period must be 0 (no samples) or a positive number of seconds")
         if not (math.isfinite(self.spec_refresh_period) and self.spec_refresh_period > 0):

@@ -24,6 +24,7 @@ from dht.reputation import Reputation
 from dht.registry import PublishedSpec, fetch_run_ids, fetch_run_specs
 from peer.config import PeerConfig
 from peer.errors import UserError
+from planner.reachability import RELAY_DELAY
 from planner.stage_choice import Joiner, StageMember, assign_joiners
 from replication.config import TransferConfig
 from replication.layout import StateLayout
@@ -166,15 +167,17 @@ def stage_costs(spec: RunSpec) -> list[float]:
 
 
 def choose_stage_from_view(spec: RunSpec, records: list[PeerRecord], peer_id: str) -> int:
-    """Apply :func:`planner.stage_choice.assign_joiners` to the current records; this peer's stage."""
-    members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops)
+    """Apply :func:`planner.stage_choice.assign_joiners` to the current records; this peer's stage
+    (a relayed peer's relay delay counted, ``planner.reachability``)."""
+    members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops, reachability=r.reachability)
                for r in records if r.state in ("syncing", "training") and 0 <= r.stage < spec.num_stages
                and r.peer_id != peer_id]
-    joiners = [Joiner(peer_id=r.peer_id, flops=r.flops, announced_at=r.announced_at)
+    joiners = [Joiner(peer_id=r.peer_id, flops=r.flops, announced_at=r.announced_at, reachability=r.reachability)
                for r in records if r.state == "joining"]
     if peer_id not in {j.peer_id for j in joiners}:
         raise RuntimeError("this peer's own join intent is not visible in the DHT yet")
-    return assign_joiners(stage_costs(spec), members, joiners)[peer_id]
+    return assign_joiners(stage_costs(spec), members, joiners, microbatch_size=spec.microbatch_size,
+                          relay_delay=RELAY_DELAY)[peer_id]
 
 
 class StageConfirmation:

@@ -31,7 +31,6 @@ import time
 
 import torch
 
-from dht.node import visible_maddrs
 from dht.records import PeerRecord, RunSpec
 from dht.registry import declare_peer, dht_time
 from dht.reputation import Reputation
@@ -42,8 +41,9 @@ from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.event_log import EventLog
 from peer.faults import inject_bad_updates, read_faults
-from peer.join import bootstrap_peer_ids, fetch_spec, negotiate_stage, open_swarm_dht
+from peer.join import bootstrap_peer_ids, fetch_spec, negotiate_stage
 from peer.profiler import measure_flops, resolve_device, stage_memory_budget
+from peer.reachability import join_swarm
 from peer.model_sample import SampleLoop, gather_for_peer
 from peer.relayout import Handoff, LayoutChange, joiner_layout
 from peer.context import PeerContext
@@ -72,7 +72,7 @@ class Peer:
         self.role = config.resolved_role
         self.metrics = EventLog(config.metrics_file)
         self.state = PeerState.JOINING
-        self.dht = self.validator = self.p2p = None
+        self.dht = self.validator = self.p2p = self.node = None
         self.ctx: PeerContext | None = None  # from the join on: what every stage session shares
         self.spec: RunSpec | None = None  # under the layout this peer trains under (peer.relayout)
         self.base_spec: RunSpec | None = None  # as the run published it
@@ -134,10 +134,9 @@ class Peer:
         if self.faults:
             logger.warning(f"test-only fault injection: this peer will misbehave ({', '.join(sorted(self.faults))})")
         UPLOAD_LIMIT.configure(config.max_upload_mbps * 1e6 / 8)
-        self.dht, self.validator = await open_swarm_dht(config)
-        self.peer_id = self.dht.peer_id.to_base58()
-        self.maddrs = tuple(visible_maddrs(self.dht)[:4])  # read once: every heartbeat carries them
-        logger.info(f"joined the DHT as {self.peer_id} ({self.role}); reachable at {' '.join(self.maddrs)}")
+        self.node = await join_swarm(config)  # a dial-back check decides how others reach it (peer.reachability)
+        self.dht, self.validator, self.maddrs, config = self.node.dht, self.node.validator, self.node.maddrs, self.node.config
+        self.config, self.role, self.peer_id = config, config.resolved_role, self.dht.peer_id.to_base58()
         self.spec = self.base_spec = await fetch_spec(self.dht, config.run_id, timeout=config.join_timeout,
                                                       owner=config.run_owner, bootstraps=bootstrap_peer_ids(config.bootstrap))
         logger.info(f"run spec: {self.spec.describe()}")
@@ -149,6 +148,7 @@ class Peer:
         self.view = SwarmView(self.dht, self.spec.run_id)
         await self.view.refresh()
         self.p2p = await self.dht.replicate_p2p()  # the run's tokenizer may come from the swarm
+        await self.node.serve(self.p2p, self.view, lambda: self.stage.index if self.stage else -1, metrics=self.metrics)
         self.data = await TrainingData.open(self.p2p, self.spec, self.view, corpus, config=config, peer_id=self.peer_id)
         self.spec = self._layout_to_join()
         self.announced_at = dht_time()
@@ -294,8 +294,8 @@ class Peer:
             await self.data.shutdown()
         if self.view is not None:
             await self.view.shutdown()
-        if self.dht is not None:
-            self.dht.shutdown()
+        if self.node is not None:
+            await self.node.shutdown()  # its services, then the DHT node
         self.metrics.close()
 
     # --- what a session asks of the peer (peer.session.SessionHost) ----------------------------
@@ -357,7 +357,7 @@ class Peer:
             software_version=SOFTWARE_VERSION, bytes_sent=TRAFFIC.bytes_sent, bytes_received=TRAFFIC.bytes_received,
             layout_version=self.spec.layout_version if self.spec else 0, memory_bytes=self.memory_budget,
             stage_layers=self.spec.stage_layers if layout else (), layout_map=self._layout_map if layout else (),
-            links=self.ctx.links.summary() if self.ctx is not None else ())
+            links=self.ctx.links.summary() if self.ctx is not None else (), reachability=self.node.reach.kind)
 
     def _set_state(self, state: PeerState) -> None:
         self.state = state

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from dht.records import RunSpec
 from peer.errors import UserError
+from planner.reachability import RELAY_DELAY
 from planner.stage_choice import StageMember, StageMove, choose_move
 from swarm.model import stage_flops_per_sample
 from swarm.view import SwarmView
@@ -50,9 +51,10 @@ class RebalanceWatch:
             return None  # settle first: a peer that just arrived must not be moved on stale rates
         if any(r.state == "joining" for r in self.view.records):
             return None  # joiners are filling deficits themselves; decide once they have
-        members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops)
+        members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops, reachability=r.reachability)
                    for k in range(self.spec.num_stages) for r in self.view.members(k, states=("training", "syncing"))]
-        move = choose_move(self._costs, members, min_gain=self.min_gain)
+        move = choose_move(self._costs, members, min_gain=self.min_gain, microbatch_size=self.spec.microbatch_size,
+                           relay_delay=RELAY_DELAY)
         self.on_check(move)
         return move if move is not None and move.peer_id == self.peer_id else None
 

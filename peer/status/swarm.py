@@ -55,7 +55,7 @@ def peer_rows(records: Sequence[PeerRecord], *, seq_len: int) -> list[dict[str, 
     rows = []
     for r in sorted(records, key=lambda r: (r.stage, r.peer_id)):
         rows.append({
-            "peer_id": r.peer_id, "stage": r.stage, "state": r.state, "role": r.role,
+            "peer_id": r.peer_id, "stage": r.stage, "state": r.state, "role": r.role, "reachability": r.reachability,
             "software_version": r.software_version or None, "tokens_per_s": round(r.samples_per_s * seq_len, 1),
             "loss": _finite_or_none(r.loss), "num_samples": r.num_samples, "step": r.version,
             "flops": r.flops, "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,

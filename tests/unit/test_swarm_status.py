@@ -55,6 +55,7 @@ def test_peer_rows_order_and_fields():
     z = rows[2]
     assert (z["loss"], z["software_version"], z["bytes_sent"], z["num_samples"], z["step"]) == (2.25, "0.1.0", 7, 99, 3)
     assert z["tokens_per_s"] == 10.0 * SEQ_LEN and rows[1]["loss"] is None and rows[1]["software_version"] is None
+    assert z["reachability"] == "direct"  # how others reach it (docs/nat.md)
 
 
 def test_totals_come_from_the_last_stage():
