@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import logging
 import random
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,16 @@ class Reach:
     why: str
     relays: tuple[str, ...] = ()
     verdict: Verdict | None = None
+    own_ips: tuple[str, ...] = ()  # the addresses the probe listened on (its host's own)
+
+    @property
+    def forwarded_ip(self) -> str | None:
+        """The public IP others dialled it back at, when that is not its own: a NAT that lets dials in
+        (a full cone, a port forward, UPnP) stands between; None otherwise."""
+        if self.kind != "direct" or self.verdict is None or not self.verdict.observed:
+            return None
+        ip = self.verdict.observed.rsplit(":", 1)[0]
+        return None if ip in self.own_ips else ip
 
     @property
     def relay_ids(self) -> list[str]:
@@ -121,7 +132,8 @@ async def probe(config: PeerConfig, node_config: DHTNodeConfig) -> Reach:
                            "taking it as reachable")
         logger.debug(f"reachability probe: node {opened - started:.2f}s, dial-backs {checked - opened:.2f}s "
                      f"{answers}, relays {time.monotonic() - checked:.2f}s {relays}: {kind} ({why})")
-        return Reach(kind=kind, why=why, relays=tuple(relays), verdict=verdict)
+        own_ips = tuple(sorted({m.split("/")[2] for m in visible_maddrs(dht) if m.startswith(("/ip4/", "/ip6/"))}))
+        return Reach(kind=kind, why=why, relays=tuple(relays), verdict=verdict, own_ips=own_ips)
     finally:
         await asyncio.to_thread(dht.shutdown)
 
@@ -161,6 +173,22 @@ def as_client(config: PeerConfig) -> PeerConfig:
     if config.stage > 0:
         logger.warning(f"--stage {config.stage} is not for this peer: nobody can dial it, so it serves stage 0")
     return dataclasses.replace(config, client_mode=True, role="unreliable", stage=0)
+
+
+def announced_at(config: PeerConfig, ip: str) -> PeerConfig:
+    """A peer others dial at ``ip``, its NAT's address: it listens on a port fixed now (a free one
+    for ``tcp/0``) and announces ``ip`` with that port, which a NAT that lets dials in forwards."""
+    port = next((int(m.split("/")[4]) for m in config.host_maddrs if m.split("/")[3:4] == ["tcp"]
+                 and m.split("/")[4] != "0"), 0) or free_port()
+    host_maddrs = tuple(m.replace("/tcp/0", f"/tcp/{port}", 1) for m in config.host_maddrs)
+    protocol = "ip6" if ":" in ip else "ip4"
+    return dataclasses.replace(config, host_maddrs=host_maddrs, announce_maddrs=(f"/{protocol}/{ip}/tcp/{port}",))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def describe(reach: Reach, maddrs: Sequence[str]) -> str:
@@ -232,6 +260,8 @@ async def join_swarm(config: PeerConfig) -> ReachableNode:
                 identity = open_identity(config.identity_path)[0]  # the probe checked it is free
         if reach.kind == "unreachable":
             config = as_client(config)
+        elif reach.forwarded_ip is not None and not config.announce_maddrs:
+            config = announced_at(config, reach.forwarded_ip)
         dht, validator = await asyncio.to_thread(open_dht, node_config(config, identity=identity, reach=reach))
         if reach.kind == "relayed" and not await wait_for_relay(dht):
             await asyncio.to_thread(dht.shutdown)

@@ -15,6 +15,7 @@ from dht.rpc import Declined
 from peer.config import PeerConfig
 from peer.reachability import (
     Reach,
+    announced_at,
     as_client,
     connection_kind,
     describe,
@@ -265,3 +266,16 @@ def test_the_one_line_and_what_each_reachability_makes_of_the_peer():
     assert node_config(peer_config(), reach=Reach(kind="direct", why="")).relays == ()
     assert node_config(peer_config()).daemon_reachability == "private"
     assert node_config(PeerConfig(bootstrap=(BOOT,), host_maddrs=("/ip4/127.0.0.1/tcp/0",))).daemon_reachability is None
+
+
+def test_a_peer_dialled_back_through_its_nat_announces_the_nats_address():
+    behind = Reach(kind="direct", why="", verdict=verdict(True), own_ips=("192.168.5.2",))
+    assert behind.forwarded_ip == "1.2.3.4"  # a full-cone NAT, a port forward: it must say where to dial
+    assert Reach(kind="direct", why="", verdict=verdict(True), own_ips=("1.2.3.4",)).forwarded_ip is None
+    assert Reach(kind="relayed", why="", verdict=verdict(False), own_ips=("192.168.5.2",)).forwarded_ip is None
+    assert Reach(kind="direct", why="not checked").forwarded_ip is None
+    fixed = announced_at(PeerConfig(bootstrap=(BOOT,), host_maddrs=("/ip4/0.0.0.0/tcp/31337",)), "1.2.3.4")
+    assert fixed.announce_maddrs == ("/ip4/1.2.3.4/tcp/31337",) and fixed.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)
+    chosen = announced_at(peer_config(), "1.2.3.4")
+    port = int(chosen.host_maddrs[0].rsplit("/", 1)[1])
+    assert port > 0 and chosen.announce_maddrs == (f"/ip4/1.2.3.4/tcp/{port}",)
