@@ -46,7 +46,7 @@ from dht.registry import fetch_peers
 from dht.relays import MBPS_PER_SLOT, RELAY_LEASE, RelaySlots, request_slot
 from peer.config import PeerConfig
 from peer.errors import UserError
-from planner.reachability import Verdict, classify, judge, relay_slots_for
+from planner.reachability import DialBack, Verdict, classify, judge, relay_slots_for
 
 logger = logging.getLogger(__name__)
 NUM_CHECKERS = 3
@@ -118,7 +118,7 @@ async def probe(config: PeerConfig, node_config: DHTNodeConfig) -> Reach:
             if attempt:
                 await asyncio.sleep(CHECK_RETRY)
             candidates = public_peers(config, await fetch_peers(dht, config.run_id), own_id)
-            answers = await asyncio.gather(*(call_dial_back(p2p, c, ports=ports) for c in candidates[:NUM_CHECKERS]))
+            answers = await ask_checkers(p2p, candidates, ports=ports)
             verdict = judge(answers, listen_ports=ports)
             if verdict.reachable is not None:
                 break
@@ -136,6 +136,17 @@ async def probe(config: PeerConfig, node_config: DHTNodeConfig) -> Reach:
         return Reach(kind=kind, why=why, relays=tuple(relays), verdict=verdict, own_ips=own_ips)
     finally:
         await asyncio.to_thread(dht.shutdown)
+
+
+async def ask_checkers(p2p: object, candidates: Sequence[str], *, ports: Sequence[int]) -> list[DialBack]:
+    """Dial-back answers of :data:`NUM_CHECKERS` of ``candidates``, in order, at once; one that cannot
+    check (busy, gone) is replaced by the next candidate."""
+    answers: list[DialBack] = []
+    pending = list(candidates)
+    while pending and (need := NUM_CHECKERS - sum(a.reachable is not None for a in answers)) > 0:
+        batch, pending = pending[:need], pending[need:]
+        answers += await asyncio.gather(*(call_dial_back(p2p, c, ports=ports) for c in batch))
+    return answers
 
 
 async def obtain_relays(p2p: object, config: PeerConfig, candidates: Sequence[str]) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import random
@@ -13,10 +14,12 @@ from dht.records import PeerRecord
 from dht.relays import RelaySlots, SlotsFull
 from dht.rpc import Declined
 from peer.config import PeerConfig
+import peer.reachability
 from peer.reachability import (
     Reach,
     announced_at,
     as_client,
+    ask_checkers,
     connection_kind,
     describe,
     neighbours,
@@ -279,3 +282,17 @@ def test_a_peer_dialled_back_through_its_nat_announces_the_nats_address():
     chosen = announced_at(peer_config(), "1.2.3.4")
     port = int(chosen.host_maddrs[0].rsplit("/", 1)[1])
     assert port > 0 and chosen.announce_maddrs == (f"/ip4/1.2.3.4/tcp/{port}",)
+
+
+def test_a_checker_that_cannot_check_is_replaced_by_the_next(monkeypatch):
+    asked = []
+
+    async def answer(_p2p, checker: str, *, ports):
+        asked.append(checker)
+        return DialBack(reachable=None if checker in "ac" else False)  # a and c are busy
+
+    monkeypatch.setattr(peer.reachability, "call_dial_back", answer)
+    answers = asyncio.run(ask_checkers(None, list("abcdefg"), ports=[4000]))
+    assert asked == list("abcde") and sum(a.reachable is not None for a in answers) == 3
+    asked.clear()
+    assert len(asyncio.run(ask_checkers(None, list("ac"), ports=[4000]))) == 2 and asked == ["a", "c"]
