@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from peer.logs import configure_logging
@@ -49,4 +50,23 @@ def test_a_failed_rounds_traceback_from_the_averager_is_dropped_unless_debugging
         assert sum(type(f).__name__ == "_FailedRoundFilter" for f in averager.filters) == 1
     finally:
         averager.removeHandler(capture)
+        root.handlers[:], root.level = handlers, level
+
+
+def test_a_cancelled_rounds_unretrieved_future_is_not_an_error_for_the_volunteer(capsys):
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        configure_logging("INFO")
+        try:
+            raise asyncio.CancelledError()
+        except asyncio.CancelledError:
+            logging.getLogger("asyncio").error("Future exception was never retrieved\nfuture: <Future>", exc_info=True)
+        try:
+            raise RuntimeError("a real error")
+        except RuntimeError:
+            logging.getLogger("asyncio").error("Future exception was never retrieved\nfuture: <Future>", exc_info=True)
+        shown = capsys.readouterr().err
+        assert "CancelledError" not in shown and "a real error" in shown
+    finally:
         root.handlers[:], root.level = handlers, level
