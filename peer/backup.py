@@ -16,10 +16,7 @@ swarm (the planner's functions in :mod:`planner.backup_plan` decide; nothing is 
   a view can lose a live holder whose heartbeats did not get through a slow or cut link, and a rescue
   then would start a second copy of the stage from an older backup (found by
   tests/e2e/test_network_faults.py: a peer on a 1 Mbit/s link "rescued" stage 0 from its step-0 copy
-  while stage 0's holder trained on). A peer pinned with ``--stage`` never moves (issue #15: one was
-  moved by a false rescue a second after the pinned holder of the stage it "rescued" started).
-  Records do not say who is pinned, so the others learn it from what it does: a named rescuer
-  still working on its stage when its grace is over is taken as unmovable and another is named.
+  while stage 0's holder trained on).
 * a joiner that lands on an unheld stage pulls it from the backup's keeper before it considers a
   checkpoint or the run seed (``Peer._obtain_state``).
 """
@@ -270,23 +267,15 @@ class RescueWatch:
     :meth:`check` decides at one instant (``now``, by default the injected ``clock``: seconds,
     monotonic); :meth:`wait_rescue` only repeats it, jittered by ``rng``, so a test drives the
     decision with a fake clock, step by step.
-
-    ``pinned``: this peer was started with ``--stage`` and is never named (``choose_rescues``'s
-    ``pinned``). Other peers cannot tell from its record; they learn it when it stays put through
-    the ``RESCUE_GRACE`` they give it (``stayed_put``).
     """
 
     def __init__(self, view: SwarmView, spec: RunSpec, *, peer_id: str, settle: float,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
-                 pinned: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.view, self.spec, self.peer_id, self.settle = view, spec, peer_id, settle
         self.clock, self.rng = clock, rng if rng is not None else random.Random()
         self.costs = [stage_flops_per_sample(spec, k) for k in range(spec.num_stages)]
         self._unheld_since: dict[int, float] = {}  # stage -> when first seen unheld
-        self._named: dict[int, tuple[float, Rescue]] = {}  # stage -> when a rescuer (maybe another peer) was named, and whom
-        # peers named to rescue that were still working on their own stage when their grace was over
-        # (pinned with --stage, or their rescue skipped): not named again while this watch lives
-        self.stayed_put: set[str] = {peer_id} if pinned else set()
+        self._named: dict[int, float] = {}  # stage -> when a rescuer (maybe another peer) was named
         self._holders: dict[int, tuple[str, ...]] = {}  # stage -> the peers last seen holding it
         self._copies: dict[int, tuple[BackupCopy, ...]] = {}  # stage -> the backups of it last advertised
         # stages that lost their holders and that no peer may rescue (each stage left holds one working
@@ -362,30 +351,18 @@ class RescueWatch:
             self.unrescuable = {}
             return None  # a joiner prefers an unheld stage: let it choose first
         paused = {r.peer_id for r in self.view.records if r.state == "paused"}
-        self._note_stayed_put(now)
-        rescues = choose_rescues(self.costs, members, copies, unmovable=paused, pinned=self.stayed_put)
+        rescues = choose_rescues(self.costs, members, copies, unmovable=paused)
         rescued = {r.to_stage for r in rescues}
         # a stage this watch never saw held is not lost (a swarm still forming): a joiner will fill it
         self.unrescuable = {k: self._unheld_since[k] for k in range(num_stages)
                             if k not in held and k not in rescued and k in self._holders}
         for rescue in rescues:
-            named_at = self._named.get(rescue.to_stage, (None,))[0]
+            named_at = self._named.get(rescue.to_stage)
             if now - self._unheld_since[rescue.to_stage] < self.settle:
                 continue  # a view that missed a record for a moment must not move anyone
             if named_at is not None and now - named_at < RESCUE_GRACE:
                 continue  # the peer named is leaving its stage (its record says "leaving", or nothing yet)
-            self._named[rescue.to_stage] = (now, rescue)
+            self._named[rescue.to_stage] = now
             if rescue.peer_id == self.peer_id:
                 return rescue
         return None
-
-    def _note_stayed_put(self, now: float) -> None:
-        """Rescuers named over ``RESCUE_GRACE`` ago for a stage still unheld whose record still shows
-        them working on the stage they were to leave: they will not move (pinned with ``--stage``)."""
-        working = {(r.peer_id, r.stage) for r in self.view.records if r.state in HOLDER_STATES}
-        for stage, (named_at, rescue) in self._named.items():
-            is_over = now - named_at >= RESCUE_GRACE
-            if is_over and (rescue.peer_id, rescue.from_stage) in working and rescue.peer_id not in self.stayed_put:
-                self.stayed_put.add(rescue.peer_id)
-                logger.info(f"{rescue.peer_id[-6:]} stayed on stage {rescue.from_stage} when named to rescue "
-                            f"stage {stage} (pinned with --stage?): another peer is named")

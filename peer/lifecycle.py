@@ -9,7 +9,7 @@ peer reloads anything.
 
 A stage held by a single peer is backed up on a peer of the next stage (``peer.backup``, seed 001
 §3.4); when a stage loses its last holder, the peer ``planner.backup_plan.choose_rescues`` names moves
-there the same way and loads the backup, whatever ``--rebalance-period`` says (never one pinned with ``--stage``). When
+there the same way and loads the backup, whatever ``--rebalance-period`` and ``--stage`` say. When
 no peer can be spared for that, the peers re-plan the layout without the stage after
 ``--replan-after`` seconds (``peer.relayout``): every peer moves to a new stage numbering and
 builds its new stage from its own state, its old neighbours' and the lost stage's backup.

@@ -278,28 +278,3 @@ def test_a_failed_pull_waits_a_period_from_when_it_failed(monkeypatch):
     assert k.due() is None
     clock.advance(0.5)
     assert k.due()[0] == 0
-
-
-def test_a_peer_pinned_with_stage_is_never_named_and_the_others_learn_it_after_its_grace():
-    """Issue #15: a peer pinned with --stage was moved by a rescue. The pinned keeper ("a") does not
-    move; "b", which cannot tell from a's record, names a first, and once a stayed on its stage through
-    its grace, names itself (and pulls a's copy)."""
-    view = SwarmView(None, "run")
-    view.records = [record("a", 1, backup_stage=0, backup_version=9), record("b", 1)]
-    view.complete_reads = MIN_COMPLETE_READS
-    pinned = RescueWatch(view, SPEC, peer_id="a", settle=SETTLE, pinned=True)
-    other = RescueWatch(view, SPEC, peer_id="b", settle=SETTLE)
-    for now in (0.0, SETTLE, SETTLE + RESCUE_GRACE - 0.1):  # b names a at SETTLE and gives it its grace
-        assert pinned.check(now) is None and other.check(now) is None
-    rescue = other.check(SETTLE + RESCUE_GRACE)
-    assert (rescue.peer_id, rescue.keeper_id, rescue.source) == ("b", "a", "backup-donor") and other.stayed_put == {"a"}
-    assert all(pinned.check(SETTLE + k * RESCUE_GRACE) is None for k in range(1, 10))
-
-
-def test_peers_all_pinned_never_rescue_a_stage_whose_holder_is_still_starting():
-    """Issue #15's run: peers started with --stage 0 and --stage 1; stage 1's holder had no record yet."""
-    view = SwarmView(None, "run")
-    view.records = [record("a", 0), record("b", 0)]
-    view.complete_reads = MIN_COMPLETE_READS
-    peers = [RescueWatch(view, SPEC, peer_id=p, settle=SETTLE, pinned=True) for p in ("a", "b")]
-    assert all(w.check(now) is None for now in (0.0, SETTLE, 10 * RESCUE_GRACE) for w in peers)
