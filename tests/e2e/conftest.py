@@ -1,14 +1,19 @@
-"""E2E fixtures: the opt-in CPU hog (``MURMURATION_CPU_HOG=1``, see tests/e2e/cpu_hog.py)."""
+"""E2E fixtures: the opt-in CPU hog (``MURMURATION_CPU_HOG=1``, see tests/e2e/cpu_hog.py), and one
+network-namespace test at a time."""
 
 from __future__ import annotations
 
+import fcntl
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.e2e.cpu_hog import is_cpu_hog_requested, open_cpu_hog
 
-HOG_MARGIN = 60.0  # seconds a spinner may outlive its test's timeout if the test process dies
+HOG_MARGIN = 60.0
+NETNS_LOCK = Path(tempfile.gettempdir()) / "murmuration-netns-tests.lock"  # seconds a spinner may outlive its test's timeout if the test process dies
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +30,22 @@ def cpu_hog(request) -> Iterator[None]:
     timeout = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 300)
     with open_cpu_hog(timeout + HOG_MARGIN):
         yield
+
+
+@pytest.fixture(autouse=True)
+def one_namespace_test_at_a_time(request) -> Iterator[None]:
+    """Tests marked ``xdist_group("netns")`` (whole swarms on emulated links) run one at a time.
+
+    pytest-xdist 3.8 here does not keep such a group on one worker (checked 2026-11-27: a module's
+    ``pytestmark`` group, by name or not, ran on both workers), and two of these swarms side by side
+    starve each other's peers of CPU until their neighbours declare them down. So they take a file
+    lock: the test waits (an event, not a clock) until the other worker's one is done."""
+    if request.node.get_closest_marker("xdist_group") is None:
+        yield
+        return
+    with open(NETNS_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

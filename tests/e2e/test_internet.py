@@ -19,7 +19,7 @@ import pytest
 from peer.harness.internet import Internet, Link
 from peer.harness.local_swarm import REPO_ROOT, LocalSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(720), pytest.mark.xdist_group("netns")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.xdist_group("netns")]
 PROBE = (sys.executable, str(REPO_ROOT / "peer" / "harness" / "link_probe.py"))
 ECHO_PORT, SINK_PORT = 9000, 9001
 LOSS_WINDOW = 20

@@ -29,7 +29,7 @@ import pytest
 from peer.harness.internet import Internet, Link
 from peer.harness.local_swarm import LocalSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.xdist_group("netns")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_group("netns")]
 LINK = Link(rate_mbit=100, delay_ms=5)
 COMMON = ("--num-threads", "1", "--relay-slots", "0", "--heartbeat-ttl", "10")
 STATUS_PORT = 8080  # the bootstrap's health page, on its own host

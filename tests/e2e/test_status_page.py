@@ -163,7 +163,9 @@ def test_a_status_port_in_use_is_one_sentence_and_exit_code_2(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        local.start_bootstrap("--status-port", port)
+        # the bootstrap writes its multiaddrs only once it serves (dial-back checks included): it exits first
+        with pytest.raises(RuntimeError, match="the bootstrap exited"):
+            local.start_bootstrap("--status-port", port)
         peer = local.start_peer("--status-port", port, bootstrap=["/ip4/127.0.0.1/tcp/9/p2p/" + "Qm" + "x" * 44])
         for proc in (local.bootstrap, peer):
             assert proc.process.wait(60) == 2, proc.log_tail()
