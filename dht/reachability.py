@@ -31,7 +31,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils.multiaddr import Multiaddr
 
-from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
+from dht.rpc import HandlerService, Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError
 from planner.reachability import DialBack
 
@@ -76,8 +76,10 @@ async def dial_fresh(peer_id: PeerID, maddrs: Sequence[str], *, timeout: float) 
         await probe.shutdown()
 
 
-class DialBackServer:
+class DialBackServer(HandlerService):
     """Answers ``murmuration.dial_back`` on a hivemind P2P (every peer runs one)."""
+
+    handler_name = DIAL_BACK_HANDLER
 
     def __init__(self, p2p: P2P, *, dial_timeout: float = DIAL_TIMEOUT, max_per_minute: int = 12,
                  max_concurrent: int = 2, per_peer_period: float = 10.0,
@@ -88,27 +90,9 @@ class DialBackServer:
         self._last_by_peer: dict[str, float] = {}
         self._running = 0
         self.num_checks = self.num_reachable = self.num_declined = 0
-        self._started = False
 
-    async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(DIAL_BACK_HANDLER, self.rpc_dial_back)
-        self._started = True
-
-    async def shutdown(self) -> None:
-        if not self._started:
-            return
-        self._started = False
-        try:
-            await self.p2p.remove_binary_stream_handler(DIAL_BACK_HANDLER)
-        except Exception as e:  # the daemon may already be gone
-            logger.debug(f"could not remove the dial-back handler: {e!r}")
-
-    async def __aenter__(self) -> DialBackServer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
+    async def _serve_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.rpc_dial_back(info, reader, writer)
 
     async def rpc_dial_back(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async def process(header: dict[str, Any], _tensors: list) -> tuple[dict[str, Any], list]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
-from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
+from dht.rpc import HandlerService, Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -41,8 +41,10 @@ class SlotsFull(Declined):
     code = "full"
 
 
-class RelaySlots:
+class RelaySlots(HandlerService):
     """Grants relay slots on a hivemind P2P, at most ``slots`` live leases at once."""
+
+    handler_name = RELAY_SLOT_HANDLER
 
     def __init__(self, p2p: P2P, *, slots: int, lease: float = RELAY_LEASE,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -51,7 +53,6 @@ class RelaySlots:
         self.p2p, self.slots, self.lease, self.clock = p2p, slots, lease, clock
         self.leases: dict[str, float] = {}  # peer id -> when its lease ends (clock)
         self.num_refused = 0
-        self._started = False
 
     def holders(self) -> list[str]:
         """The peers holding a live slot now, sorted."""
@@ -71,25 +72,8 @@ class RelaySlots:
         self.leases[peer_id] = self.clock() + self.lease
         return self.lease
 
-    async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(RELAY_SLOT_HANDLER, self.rpc_relay_slot)
-        self._started = True
-
-    async def shutdown(self) -> None:
-        if not self._started:
-            return
-        self._started = False
-        try:
-            await self.p2p.remove_binary_stream_handler(RELAY_SLOT_HANDLER)
-        except Exception as e:  # the daemon may already be gone
-            logger.debug(f"could not remove the relay slot handler: {e!r}")
-
-    async def __aenter__(self) -> RelaySlots:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
+    async def _serve_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.rpc_relay_slot(info, reader, writer)
 
     async def rpc_relay_slot(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async def process(header: dict[str, Any], _tensors: list) -> tuple[dict[str, Any], list]:

@@ -204,3 +204,36 @@ async def call_peer(
         raise RemoteError(f"{peer_id[-6:]} refused: {str(reply.get('error', 'no reason given'))[:300]}",
                           code=code[:32] if isinstance(code, str) else "")
     return reply, reply_tensors
+
+
+class HandlerService:
+    """One binary-stream handler of ours on a P2P node: registered by :meth:`start`, removed by
+    :meth:`shutdown` (idempotent, and quiet when the daemon is already gone); ``async with`` does both.
+    Subclasses set ``self.p2p`` and name their handler and the method serving it."""
+
+    handler_name: str
+    p2p: P2P
+    _started: bool = False
+
+    async def _serve_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_stream)
+        self._started = True
+
+    async def shutdown(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        try:
+            await self.p2p.remove_binary_stream_handler(self.handler_name)
+        except Exception as e:  # the daemon may already be gone
+            logger.debug(f"could not remove the {self.handler_name} handler: {e!r}")
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()

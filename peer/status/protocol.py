@@ -23,7 +23,7 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
-from dht.rpc import serve_request
+from dht.rpc import HandlerService, serve_request
 from dht.wire import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -31,33 +31,17 @@ STATUS_PROTOCOL = "/murmuration/status/1.0.0"
 STATUS_TIMEOUT = 5.0
 
 
-class StatusProtocol:
+class StatusProtocol(HandlerService):
     """Serves ``rpc_status`` on a hivemind P2P with the dict that ``status_fn`` returns."""
+
+    handler_name = STATUS_PROTOCOL
 
     def __init__(self, p2p: P2P, status_fn: Callable[[], dict[str, Any]]) -> None:
         self.p2p, self.status_fn = p2p, status_fn
         self.num_served = self.num_refused = 0
-        self._started = False
 
-    async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(STATUS_PROTOCOL, self.rpc_status)
-        self._started = True
-
-    async def shutdown(self) -> None:
-        if not self._started:
-            return
-        self._started = False
-        try:
-            await self.p2p.remove_binary_stream_handler(STATUS_PROTOCOL)
-        except Exception as e:  # the daemon may already be gone
-            logger.debug(f"could not remove the status handler: {e!r}")
-
-    async def __aenter__(self) -> StatusProtocol:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
+    async def _serve_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.rpc_status(info, reader, writer)
 
     def _count(self, outcome: str) -> None:
         self.num_served += outcome == "ok"
