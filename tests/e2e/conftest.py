@@ -36,10 +36,12 @@ def cpu_hog(request) -> Iterator[None]:
 def one_namespace_test_at_a_time(request) -> Iterator[None]:
     """Tests marked ``xdist_group("netns")`` (whole swarms on emulated links) run one at a time.
 
-    pytest-xdist 3.8 here does not keep such a group on one worker (checked 2026-11-27: a module's
-    ``pytestmark`` group, by name or not, ran on both workers), and two of these swarms side by side
-    starve each other's peers of CPU until their neighbours declare them down. So they take a file
-    lock: the test waits (an event, not a clock) until the other worker's one is done."""
+    ``--dist loadgroup`` keeps the group on one worker, so the other worker runs the rest meanwhile.
+    That needs pytest 8 (pinned): with pytest 9.2 xdist 3.8's group marking is lost and the group
+    ran on both workers. Two of these swarms side by side starve each other's peers of CPU until
+    their neighbours declare them down, so the tests also take a file lock, which holds in a venv
+    that still has pytest 9 and across two test runs on one machine: a test waits (an event, not a
+    clock) until the other one is done."""
     if request.node.get_closest_marker("xdist_group") is None:
         yield
         return
