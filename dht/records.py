@@ -321,6 +321,8 @@ class PeerRecord:
             (through a relay slot on a public peer, and hole punching) or "unreachable" (a client of
             stage 0). Left off the wire when "direct", so records of peers older than the field read
             as what they were taken for.
+        pinned: it was started with ``--stage`` and never moves: no rescue or rebalance names it
+            (issue #15). Left off the wire when false.
         peer_key: the libp2p public key its peer id hashes (RSA identities; empty when the peer id
             inlines the key, as Ed25519 ones do).
         peer_signature: the binding: the identity key's signature of the run id and the record key
@@ -354,6 +356,7 @@ class PeerRecord:
     memory_bytes: int = 0
     links: tuple[LinkFigure, ...] = ()
     reachability: str = "direct"
+    pinned: bool = False
     peer_key: bytes = b""
     peer_signature: bytes = b""
 
@@ -390,6 +393,8 @@ class PeerRecord:
             raise ValueError(f"links must be a tuple of at most {MAX_LINK_FIGURES} link figures")
         if self.reachability not in REACHABILITIES:
             raise ValueError(f"reachability must be one of {REACHABILITIES}, got {self.reachability!r:.40}")
+        if not isinstance(self.pinned, bool):
+            raise ValueError("pinned must be true or false")
         if len(self.maddrs) > MAX_ADDRS or not all(isinstance(a, str) and len(a) < 256 for a in self.maddrs):
             raise ValueError("maddrs must be at most 16 strings")
         if not isinstance(self.params_digest, str) or len(self.params_digest) > 128:
@@ -412,6 +417,8 @@ class PeerRecord:
             del wire["links"]  # none measured (and records of peers older than the field): the default
         if self.reachability == "direct":
             del wire["reachability"]  # the default, and what peers older than the field were taken for
+        if not self.pinned:
+            del wire["pinned"]  # likewise
         if math.isnan(self.val_loss):
             del wire["val_loss"]  # none yet (every peer but stage 0's): read back as the default NaN
         if not with_binding:

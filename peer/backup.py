@@ -267,11 +267,16 @@ class RescueWatch:
     :meth:`check` decides at one instant (``now``, by default the injected ``clock``: seconds,
     monotonic); :meth:`wait_rescue` only repeats it, jittered by ``rng``, so a test drives the
     decision with a fake clock, step by step.
+
+    A peer pinned with ``--stage`` is never named (``choose_rescues``'s ``pinned``): the others read
+    it in its record (``PeerRecord.pinned``), and ``pinned`` says it of this peer before its own
+    record is in the view.
     """
 
     def __init__(self, view: SwarmView, spec: RunSpec, *, peer_id: str, settle: float,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
-        self.view, self.spec, self.peer_id, self.settle = view, spec, peer_id, settle
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 pinned: bool = False) -> None:
+        self.view, self.spec, self.peer_id, self.settle, self.pinned = view, spec, peer_id, settle, pinned
         self.clock, self.rng = clock, rng if rng is not None else random.Random()
         self.costs = [stage_flops_per_sample(spec, k) for k in range(spec.num_stages)]
         self._unheld_since: dict[int, float] = {}  # stage -> when first seen unheld
@@ -351,7 +356,8 @@ class RescueWatch:
             self.unrescuable = {}
             return None  # a joiner prefers an unheld stage: let it choose first
         paused = {r.peer_id for r in self.view.records if r.state == "paused"}
-        rescues = choose_rescues(self.costs, members, copies, unmovable=paused)
+        pinned = {r.peer_id for r in self.view.records if r.pinned} | ({self.peer_id} if self.pinned else set())
+        rescues = choose_rescues(self.costs, members, copies, unmovable=paused, pinned=pinned)
         rescued = {r.to_stage for r in rescues}
         # a stage this watch never saw held is not lost (a swarm still forming): a joiner will fill it
         self.unrescuable = {k: self._unheld_since[k] for k in range(num_stages)

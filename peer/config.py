@@ -41,7 +41,8 @@ class PeerConfig:
     reachability: str = field(default="auto", metadata=_help("auto: at start a few peers dial this peer back to learn whether others can reach it; behind a NAT it then takes a relay slot on a public peer, or, with none, trains as a client of stage 0 (docs/nat.md; skipped on loopback); direct: skip the check, others can dial --host-maddrs/--announce-maddrs (a port forward)"))
     relay_slots: int = field(default=8, metadata=_help("peers behind NATs this peer relays for at most, when others can dial it (0: none); each costs at most 0.28 Mbit/s of upload (the relay carries only the DHT's requests and hole punching's messages), and at most a quarter of --max-upload-mbps goes to relaying"))
     identity_path: str | None = field(default=None, metadata=_help("file keeping this peer's identity across restarts (created if missing)"))
-    stage: int = field(default=-1, metadata=_help("serve this stage instead of negotiating one (-1: negotiate)"))
+    stage: int = field(default=-1, metadata=_help("serve this stage instead of negotiating one, pinned: no rescue or rebalance moves this peer (-1: negotiate)"))
+    first_stage: int = field(default=-1, metadata=_help("start on this stage instead of negotiating one, but, unlike --stage, stay movable: a rescue or a rebalance may move this peer (-1: negotiate)"))
     device: str = field(default="auto", metadata=_help("torch device: auto (CUDA if present), cpu, cuda, cuda:N"))
     num_threads: int = field(default=0, metadata=_help("CPU threads for torch (0: torch's default)"))
     data: tuple[str, ...] = field(default=(), metadata=_help("the data files to train on, when the run was published with --data"))
@@ -105,8 +106,10 @@ class PeerConfig:
             raise ValueError("--relay-slots must be >= 0")
         if self.role == "reliable" and self.client_mode:
             raise ValueError("a reliable peer must accept connections: drop --client-mode or use --role unreliable")
-        if self.stage < -1:
-            raise ValueError("--stage must be -1 (negotiate) or a stage index")
+        if self.stage < -1 or self.first_stage < -1:
+            raise ValueError("--stage and --first-stage must be -1 (negotiate) or a stage index")
+        if self.stage >= 0 and self.first_stage >= 0:
+            raise ValueError("give --stage (pinned) or --first-stage (movable), not both")
         if self.num_threads < 0 or self.max_in_flight < 1:
             raise ValueError("--num-threads must be >= 0 and --max-in-flight >= 1")
         if self.eval_every < 0 or self.eval_sequences < 1:
@@ -138,6 +141,11 @@ class PeerConfig:
     def resolved_log_level(self) -> str:
         """--quiet and --verbose override --log-level."""
         return "WARNING" if self.quiet else "DEBUG" if self.verbose else self.log_level.upper()
+
+    @property
+    def start_stage(self) -> int:
+        """The stage this peer starts on without negotiating (--stage or --first-stage), else -1."""
+        return self.stage if self.stage >= 0 else self.first_stage
 
     @property
     def resolved_role(self) -> str:

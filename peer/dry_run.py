@@ -85,15 +85,15 @@ async def dry_run(config: PeerConfig) -> str:
         peer_id = dht.peer_id.to_base58()
         spec = await fetch_spec(dht, config.run_id, timeout=config.join_timeout, owner=config.run_owner,
                                 bootstraps=bootstrap_peer_ids(config.bootstrap))
-        if config.stage >= spec.num_stages:
-            raise UserError(f"--stage {config.stage} does not exist: run {spec.run_id} has {spec.num_stages} stages (0-{spec.num_stages - 1}).")
+        if config.start_stage >= spec.num_stages:
+            raise UserError(f"stage {config.start_stage} does not exist: run {spec.run_id} has {spec.num_stages} stages (0-{spec.num_stages - 1}).")
         device = resolve_device(config.device)
         flops = await asyncio.to_thread(measure_flops, spec, device)
         view = SwarmView(dht, spec.run_id)
         records = await view.refresh()
         budget = int(config.max_memory_mb * MIB) if config.max_memory_mb else available_memory_bytes(device)
         source = "--max-memory-mb" if config.max_memory_mb else f"available on {device}"
-        plan = plan_join(spec, records, peer_id=peer_id, flops=flops, now=dht_time(), forced_stage=config.stage,
+        plan = plan_join(spec, records, peer_id=peer_id, flops=flops, now=dht_time(), forced_stage=config.start_stage,
                          needed_bytes_fn=lambda k: stage_memory_bytes(spec, k, max_in_flight=config.max_in_flight,
                                                                       checkpoint_activations=config.activation_checkpointing),
                          budget_bytes=budget, budget_source=source)

@@ -1,16 +1,15 @@
 """A peer's life: join → measure → negotiate a stage → obtain its state → train (→ move) → leave.
 
-While it trains, a peer checks every ``--rebalance-period`` seconds (unless pinned with
-``--stage``) whether moving one peer to the bottleneck stage would raise the swarm's throughput by
-``--rebalance-min-gain`` or more (``planner.stage_choice.choose_move``); every peer computes the
-same move from the same records, and only the peer it names moves: it leaves its stage like a
-leaving peer, pulls the new stage's state from that stage's holders, and trains there. No other
-peer reloads anything.
+While it trains, a peer checks every ``--rebalance-period`` seconds whether moving one peer to the
+bottleneck stage would raise the swarm's throughput by ``--rebalance-min-gain`` or more
+(``planner.stage_choice.choose_move``); every peer computes the same move from the same records,
+and only the peer it names moves: it leaves its stage like a leaving peer, pulls the new stage's
+state from its holders, and trains there. No other peer reloads anything.
 
 A stage held by a single peer is backed up on a peer of the next stage (``peer.backup``, seed 001
 §3.4); when a stage loses its last holder, the peer ``planner.backup_plan.choose_rescues`` names moves
-there the same way and loads the backup, whatever ``--rebalance-period`` and ``--stage`` say. When
-no peer can be spared for that, the peers re-plan the layout without the stage after
+there the same way and loads the backup, whatever ``--rebalance-period`` says (never a peer pinned
+with ``--stage``). When no peer can spare it, the peers re-plan the layout without the stage after
 ``--replan-after`` seconds (``peer.relayout``): every peer moves to a new stage numbering and
 builds its new stage from its own state, its old neighbours' and the lost stage's backup.
 
@@ -184,10 +183,10 @@ class Peer:
         return spec
 
     async def _choose_stage(self) -> tuple[int, list[PeerRecord]]:
-        """``--stage``, or the stage negotiated from the swarm's records (and the records it read)."""
-        stage_index, spec = self.config.stage, self.spec
+        """``--stage``/``--first-stage``, or the stage negotiated from the records (and the records read)."""
+        stage_index, spec = self.config.start_stage, self.spec
         if stage_index >= spec.num_stages:
-            raise UserError(f"--stage {stage_index} does not exist: run {spec.run_id} has {spec.num_stages} stages (0-{spec.num_stages - 1}).")
+            raise UserError(f"stage {stage_index} does not exist: run {spec.run_id} has {spec.num_stages} stages (0-{spec.num_stages - 1}).")
         if stage_index >= 0:
             return stage_index, []
         await self.heartbeat(stage=-1)
@@ -356,6 +355,7 @@ class Peer:
             maddrs=self.maddrs, params_digest=self._averaged[1], averaged_at=self._averaged[0],
             software_version=SOFTWARE_VERSION, bytes_sent=TRAFFIC.bytes_sent, bytes_received=TRAFFIC.bytes_received,
             layout_version=self.spec.layout_version if self.spec else 0, memory_bytes=self.memory_budget,
+            pinned=self.config.stage >= 0,
             stage_layers=self.spec.stage_layers if layout else (), layout_map=self._layout_map if layout else (),
             links=self.ctx.links.summary() if self.ctx is not None else (), reachability=self.node.reach.kind)
 

@@ -54,7 +54,7 @@ class RebalanceWatch:
         members = [StageMember(peer_id=r.peer_id, stage=r.stage, flops=r.flops, reachability=r.reachability)
                    for k in range(self.spec.num_stages) for r in self.view.members(k, states=("training", "syncing"))]
         move = choose_move(self._costs, members, min_gain=self.min_gain, microbatch_size=self.spec.microbatch_size,
-                           relay_delay=RELAY_DELAY)
+                           relay_delay=RELAY_DELAY, pinned={r.peer_id for r in self.view.records if r.pinned})
         self.on_check(move)
         return move if move is not None and move.peer_id == self.peer_id else None
 

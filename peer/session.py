@@ -209,7 +209,7 @@ class StageSession:
                                        min_gain=config.rebalance_min_gain, on_check=self._rebalance_checked, clock=ctx.clock)
             watches.append(self._spawn("rebalance", rebalance.wait(self.host.is_training, self.host.check_memory)))
         self.watch = RescueWatch(ctx.view, self.spec, peer_id=ctx.peer_id, settle=config.heartbeat_ttl / 2, clock=ctx.clock,
-                                 rng=random.Random(f"rescue:{ctx.peer_id}"))
+                                 rng=random.Random(f"rescue:{ctx.peer_id}"), pinned=config.stage >= 0)
         watches.append(self._spawn("rescue", self.watch.wait_verified_rescue(self._answers_ping,
                                                                             on_skipped=self._rescue_skipped)))
         watches.append(self._spawn("layout", wait_layout_change(

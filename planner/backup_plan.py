@@ -20,7 +20,8 @@ index order, one peer moves there:
 
 * only a peer whose stage keeps at least one other working holder may move (a rescue never
   empties another stage), and not a peer its user paused (it holds its stage but takes no work,
-  so it neither moves nor counts as the holder left behind);
+  so it neither moves nor counts as the holder left behind), nor one pinned to its stage (it
+  works there and counts as the holder left behind, but never moves);
 * the newest backup is the one to load (several keepers of one stage are a transient: the keeper
   changed while the holder lived); a keeper of it that may move goes first: it loads the copy it
   already has, with no download (then the lower peer id);
@@ -30,8 +31,11 @@ index order, one peer moves there:
   or, with no backup anywhere, starts the stage from a checkpoint or the run seed like a first
   joiner.
 
-A rescue is not a rebalance: it is not gated by a gain, and it runs for peers pinned with
-``--stage`` too (an unheld stage is a broken pipeline, worse than any imbalance).
+A rescue is not a rebalance: it is not gated by a gain. But a peer pinned with ``--stage`` is never
+moved, not even by a rescue: the user chose its stage, and a rescue decided on a view that missed a
+record is not undone (issue #15: a peer pinned to stage 0 was moved to stage 1 one second after
+stage 1's pinned holder started, before that holder's first record was in the DHT). A stage whose
+only candidates are pinned waits for a joiner, or for a layer-wise re-plan (``planner.replanning``).
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ def assign_backups(num_stages: int, members: Sequence[StageMember]) -> dict[int,
 
 def choose_rescues(
     stage_costs: Sequence[float], members: Sequence[StageMember], backups: Sequence[BackupCopy], *,
-    unmovable: Collection[str] = (),
+    unmovable: Collection[str] = (), pinned: Collection[str] = (),
 ) -> list[Rescue]:
     """One rescue per unheld stage that can be rescued, in stage order (see the module docstring).
 
@@ -131,6 +135,8 @@ def choose_rescues(
         members: the peers that hold (or are syncing) a stage.
         backups: the backups peers advertise; those of held stages are ignored.
         unmovable: members that count as holders but may not move (paused peers).
+        pinned: members that work on their stage (they count as its working holders) and never
+            move (pinned with ``--stage``).
 
     Returns:
         the rescues; empty when every stage is held or no peer may move.
@@ -144,7 +150,7 @@ def choose_rescues(
             continue
         copies = sorted((c for c in backups if c.stage == stage), key=lambda c: (-c.version, c.peer_id))
         active = [[p for p in ids if p not in unmovable] for ids in holders]  # a paused peer serves nothing
-        movable = {p for ids in active if len(ids) >= 2 for p in ids}
+        movable = {p for ids in active if len(ids) >= 2 for p in ids if p not in pinned}
         own = [c for c in copies if c.peer_id in movable and c.version == copies[0].version]
         if own:
             rescuer, copy = by_id[own[0].peer_id], own[0]

@@ -29,7 +29,7 @@ moves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from planner.reachability import serving_throughput
@@ -160,7 +160,7 @@ class StageMove:
 
 
 def choose_move(stage_costs: Sequence[float], members: Sequence[StageMember], *, min_gain: float,
-                microbatch_size: int = 1, relay_delay: float = 0.0) -> StageMove | None:
+                microbatch_size: int = 1, relay_delay: float = 0.0, pinned: Collection[str] = ()) -> StageMove | None:
     """The single move that raises the bottleneck most, if it raises it by ``min_gain`` or more.
 
     Rebalancing with hysteresis (DESIGN §1 step 8). Only a move onto the bottleneck stage can raise
@@ -171,7 +171,8 @@ def choose_move(stage_costs: Sequence[float], members: Sequence[StageMember], *,
 
     Every peer evaluates this on the same records and gets the same answer, so exactly one peer,
     the one named, moves; best gain first, then the slower peer (a smaller loss to its stage), then
-    the smaller peer id. An unreachable peer never moves (it can serve stage 0 only).
+    the smaller peer id. An unreachable peer never moves (it can serve stage 0 only), nor one in
+    ``pinned`` (started with ``--stage``: its user chose its stage), though both count where they are.
 
     Returns:
         The move, or None when no move clears ``min_gain`` (the swarm is balanced enough).
@@ -190,7 +191,8 @@ def choose_move(stage_costs: Sequence[float], members: Sequence[StageMember], *,
     target = min(range(len(totals)), key=lambda k: (totals[k], k))
     best: tuple | None = None
     for member in sorted(members, key=lambda m: m.peer_id):
-        if member.stage == target or counts[member.stage] < 2 or member.reachability == "unreachable":
+        if (member.stage == target or counts[member.stage] < 2 or member.reachability == "unreachable"
+                or member.peer_id in pinned):
             continue
         after = list(totals)
         after[member.stage] -= _share(member, member.stage, stage_costs, microbatch_size, relay_delay)

@@ -190,7 +190,8 @@ def test_a_peer_claiming_a_huge_version_and_rates_forces_no_reload(local_swarm, 
     local_swarm.start_bootstrap()
     backups = ("--backup-period", "3")
     first = local_swarm.start_peer("--stage", "0", *ARGS, *backups)
-    holders = [local_swarm.start_peer("--stage", "1", *ARGS, *backups) for _ in range(2)]
+    # --first-stage, not --stage: one of them rescues stage 0 below, and a peer pinned with --stage never moves
+    holders = [local_swarm.start_peer("--first-stage", "1", *ARGS, *backups) for _ in range(2)]
     honest = [first, *holders]
     wait_for(lambda: all(p.events("status") for p in honest), 150, "three peers to train")
     wait_for(lambda: all(p.events("averaged") for p in holders) and holders[0].events("averaged")[-1]["digest"]

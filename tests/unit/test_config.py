@@ -83,6 +83,16 @@ def test_overrides_and_bad_flag_values():
         dataclass_from_args(BootstrapConfig, parser_for(BootstrapConfig).parse_args(["--num-stages", "5"]))
 
 
+def test_stage_pins_first_stage_only_starts_and_both_at_once_is_refused():
+    assert PeerConfig(bootstrap=BOOT).start_stage == -1
+    assert PeerConfig(bootstrap=BOOT, stage=1).start_stage == 1
+    assert PeerConfig(bootstrap=BOOT, first_stage=2).start_stage == 2
+    with pytest.raises(ValueError, match="not both"):
+        PeerConfig(bootstrap=BOOT, stage=1, first_stage=1)
+    with pytest.raises(ValueError, match="--first-stage must be -1"):
+        PeerConfig(bootstrap=BOOT, first_stage=-2)
+
+
 def test_resolved_role():
     assert PeerConfig(bootstrap=BOOT).resolved_role == "reliable"
     assert PeerConfig(bootstrap=BOOT, client_mode=True).resolved_role == "unreliable"

@@ -196,3 +196,46 @@ def test_rescue_choice_is_deterministic_across_many_shuffles():
     for _ in range(20):
         rng.shuffle(members)
         assert choose_rescues([1.0, 2.0, 3.0], members, backups) == expected
+
+
+# ---- pinned peers (issue #15: a peer pinned with --stage 0 was moved by a false rescue)
+
+
+def test_a_pinned_peer_is_never_named_and_still_counts_as_its_stages_holder():
+    members = [member("a", 0), member("b", 0)]
+    assert choose_rescues(COSTS, members, [])[0].peer_id == "a"  # the lower peer id, all else equal
+    (rescue,) = choose_rescues(COSTS, members, [], pinned={"a"})
+    assert (rescue.peer_id, rescue.from_stage, rescue.to_stage) == ("b", 0, 1)  # a stays behind and holds stage 0
+    assert choose_rescues(COSTS, members, [], pinned={"a", "b"}) == []
+
+
+def test_a_pinned_keeper_lends_its_copy_but_does_not_move():
+    members = [member("k", 1), member("x", 1)]
+    backups = [BackupCopy(peer_id="k", stage=0, version=7)]
+    assert choose_rescues(COSTS, members, backups)[0].source == "local-backup"
+    (rescue,) = choose_rescues(COSTS, members, backups, pinned={"k"})
+    assert (rescue.peer_id, rescue.keeper_id, rescue.source) == ("x", "k", "backup-donor")
+
+
+@settings(max_examples=300, deadline=None)
+@given(swarms, st.sets(st.integers(0, 8)), st.randoms(use_true_random=False))
+def test_no_rescue_ever_moves_a_pinned_peer(swarm, raw_pinned, rng):
+    num_stages, members = swarm
+    costs = [1.0 + k for k in range(num_stages)]
+    pinned = {f"p{i:02d}" for i in raw_pinned}
+    rescues = choose_rescues(costs, members, [], pinned=pinned)
+    assert not {r.peer_id for r in rescues} & pinned
+    shuffled = list(members)
+    rng.shuffle(shuffled)
+    assert choose_rescues(costs, shuffled, [], pinned=sorted(pinned)) == rescues
+    counts = [sum(m.stage == k for m in members) for k in range(num_stages)]
+    for rescue in rescues:
+        counts[rescue.from_stage] -= 1
+        counts[rescue.to_stage] += 1
+        assert counts[rescue.from_stage] >= 1, "a rescue never empties another stage"
+    # a stage left unheld has no unpinned peer on a stage that keeps another holder
+    if any(c == 0 for c in counts):
+        stage_of = {m.peer_id: m.stage for m in members}
+        for r in rescues:
+            stage_of[r.peer_id] = r.to_stage
+        assert all(counts[stage] <= 1 for peer, stage in stage_of.items() if peer not in pinned)

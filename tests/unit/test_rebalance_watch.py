@@ -17,8 +17,8 @@ SPEC = RunSpec(run_id="run")  # two stages of equal cost
 PERIOD = 10.0
 
 
-def record(peer_id: str, stage: int, *, state: str = "training") -> PeerRecord:
-    return PeerRecord(peer_id=peer_id, role="reliable", state=state, stage=stage, flops=1e9)
+def record(peer_id: str, stage: int, *, state: str = "training", pinned: bool = False) -> PeerRecord:
+    return PeerRecord(peer_id=peer_id, role="reliable", state=state, stage=stage, flops=1e9, pinned=pinned)
 
 
 def watch(peer_id: str, records: list[PeerRecord], clock: FakeClock) -> RebalanceWatch:
@@ -41,6 +41,19 @@ def test_only_the_named_peer_moves_and_only_after_settling_two_periods():
     assert len(named) == 1 and moves[named[0]].to_stage == 1 and moves[named[0]].from_stage == 0
     assert named[0] in "abc"
     assert watches[named[0]].check(is_training=False) is None, "a paused or leaving peer does not move"
+
+
+def test_peers_whose_records_say_pinned_are_never_named():
+    clock = FakeClock(100.0)
+    records = [record("a", 0, pinned=True), record("b", 0, pinned=True), record("c", 0), record("d", 1)]
+    watches = {p: watch(p, records, clock) for p in "abcd"}
+    clock.advance(2 * PERIOD)
+    moves = {p: w.check(is_training=True) for p, w in watches.items()}
+    assert [p for p, move in moves.items() if move is not None] == ["c"]
+    all_pinned = [record(p, 0, pinned=True) for p in "abc"] + [record("d", 1)]
+    pinned_watches = [watch(p, all_pinned, clock) for p in "abcd"]
+    clock.advance(2 * PERIOD)
+    assert all(w.check(is_training=True) is None for w in pinned_watches)
 
 
 def test_nobody_moves_while_a_peer_joins_or_when_the_swarm_is_balanced():

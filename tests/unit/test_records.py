@@ -126,6 +126,13 @@ def test_peer_record_backup_fields_round_trip():
     assert PeerRecord.from_wire(through_msgpack(record.to_wire())) == record
 
 
+def test_a_pinned_peer_says_so_and_an_unpinned_record_leaves_the_field_off():
+    pinned = make_record(pinned=True)
+    assert PeerRecord.from_wire(through_msgpack(pinned.to_wire())).pinned is True
+    assert "pinned" not in make_record().to_wire()  # what peers older than the field send
+    assert PeerRecord.from_wire(through_msgpack(make_record().to_wire())).pinned is False
+
+
 def test_peer_record_status_fields_round_trip():
     record = make_record(software_version="0.1.0+dev", bytes_sent=12_345, bytes_received=2**40)
     assert PeerRecord.from_wire(through_msgpack(record.to_wire())) == record
@@ -327,6 +334,8 @@ BAD_RECORD_WIRES = {
     "str backup_stage": record_wire(backup_stage="0"),
     "negative backup_version": record_wire(backup_version=-1),
     "float backup_version": record_wire(backup_version=2.5),
+    "pinned not bool": record_wire(pinned=1),
+    "pinned str": record_wire(pinned="yes"),
 }
 
 

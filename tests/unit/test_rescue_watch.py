@@ -32,9 +32,9 @@ SETTLE = 3.0
 
 
 def record(peer_id: str, stage: int, *, state: str = "training", backup_stage: int = -1,
-           backup_version: int = 0, version: int = 0) -> PeerRecord:
+           backup_version: int = 0, version: int = 0, pinned: bool = False) -> PeerRecord:
     return PeerRecord(peer_id=peer_id, role="reliable", state=state, stage=stage, flops=1e9, announced_at=100.0,
-                      backup_stage=backup_stage, backup_version=backup_version, version=version)
+                      backup_stage=backup_stage, backup_version=backup_version, version=version, pinned=pinned)
 
 
 PERIOD = 30.0
@@ -278,3 +278,29 @@ def test_a_failed_pull_waits_a_period_from_when_it_failed(monkeypatch):
     assert k.due() is None
     clock.advance(0.5)
     assert k.due()[0] == 0
+
+
+def test_a_pinned_keeper_is_never_named_and_another_peer_pulls_its_copy():
+    """Issue #15: a peer pinned with --stage was moved by a rescue. The pinned keeper "a" says so in
+    its record; "b" names itself at once (no grace spent on a), and pulls a's copy."""
+    view = SwarmView(None, "run")
+    view.records = [record("a", 1, backup_stage=0, backup_version=9, pinned=True), record("b", 1)]
+    view.complete_reads = MIN_COMPLETE_READS
+    pinned = RescueWatch(view, SPEC, peer_id="a", settle=SETTLE, pinned=True)
+    other = RescueWatch(view, SPEC, peer_id="b", settle=SETTLE)
+    assert pinned.check(0.0) is None and other.check(0.0) is None
+    rescue = other.check(SETTLE)
+    assert (rescue.peer_id, rescue.keeper_id, rescue.source) == ("b", "a", "backup-donor")
+    assert all(pinned.check(SETTLE + k * RESCUE_GRACE) is None for k in range(10))
+
+
+def test_a_pinned_peer_whose_record_is_not_out_yet_is_not_named():
+    """Issue #15's run: peers started with --stage 0 and --stage 1, stage 1's holder without a record
+    yet; stage 0's peers are pinned, their own watches know it before their records say so."""
+    view = SwarmView(None, "run")
+    view.records = [record("a", 0), record("b", 0, pinned=True)]
+    view.complete_reads = MIN_COMPLETE_READS
+    a = RescueWatch(view, SPEC, peer_id="a", settle=SETTLE, pinned=True)
+    b = RescueWatch(view, SPEC, peer_id="b", settle=SETTLE, pinned=True)
+    assert all(w.check(now) is None for now in (0.0, SETTLE, 10 * RESCUE_GRACE) for w in (a, b))
+    assert a.unrescuable == {} == b.unrescuable  # never seen held: a swarm still forming, left to a joiner

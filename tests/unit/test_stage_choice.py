@@ -288,6 +288,16 @@ def test_a_move_is_never_undone_by_the_next_decision():
             pytest.fail("moves did not settle within 10 decisions")
 
 
+def test_a_pinned_peer_is_never_moved_but_counts_where_it_is():
+    costs = [1.0, 1.0]
+    members = [StageMember(peer_id="a", stage=0, flops=10.0), StageMember(peer_id="b", stage=0, flops=8.0),
+               StageMember(peer_id="c", stage=0, flops=12.0), StageMember(peer_id="d", stage=1, flops=10.0)]
+    assert choose_move(costs, members, min_gain=0.1).peer_id == "a"
+    move = choose_move(costs, members, min_gain=0.1, pinned={"a"})  # next best: b and c tie at 18, b slower
+    assert (move.peer_id, move.bottleneck_after) == ("b", 18.0)
+    assert choose_move(costs, members, min_gain=0.1, pinned={"a", "b", "c"}) is None
+
+
 def test_an_unheld_stage_stops_rebalancing_and_no_stage_is_emptied():
     costs = [1.0, 1.0, 1.0]
     assert choose_move(costs, [StageMember(peer_id="a", stage=0, flops=1.0),
