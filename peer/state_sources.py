@@ -98,11 +98,13 @@ class StateLoader:
     async def _from_holders(self, stage: Stage, spec: RunSpec, seen: Sequence[PeerRecord]) -> bool:
         """The holders are this view's, plus those of ``seen`` that it lacks and nobody said left: a
         heartbeat late on a busy machine lets a live holder's record lapse for a moment (CI: a
-        joiner pulled from one of two live holders). A holder that is really gone fails its probe."""
+        joiner pulled from one of two live holders). A holder that is really gone fails its probe. A
+        holder whose record says nobody can dial it (a client of stage 0 behind a NAT) is no donor."""
         holders = [r for r in self.view.members(stage.index) if r.peer_id != self.peer_id]
         listed = {r.peer_id for r in holders} | {self.peer_id}
         holders += [r for r in seen if r.stage == stage.index and r.state == "training"
                     and r.peer_id not in listed and not self.view.is_gone(r.peer_id)]
+        holders = [r for r in holders if r.reachability != "unreachable"]
         if not holders:
             return False
         self.progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
@@ -126,8 +128,8 @@ class StateLoader:
                 logger.info(f"the holders of stage {stage.index} disagree on its state; asking again shortly")
                 await asyncio.sleep(DISAGREEMENT_RETRY)
                 await self.view.refresh()
-                holders = [r for r in self.view.members(stage.index)
-                           if r.peer_id != self.peer_id and r.peer_id not in self.refused] or holders
+                holders = [r for r in self.view.members(stage.index) if r.peer_id != self.peer_id
+                           and r.peer_id not in self.refused and r.reachability != "unreachable"] or holders
             except TransferError as e:
                 if (retries := retries - 1) < 0:
                     raise

@@ -126,9 +126,13 @@ class FailureDetector:
         self.num_pings = 0
 
     def neighbours(self) -> set[str]:
+        """The training peers of this stage and the two next to it that others can dial: a peer
+        whose record says it is unreachable (a client behind a NAT) answers a ping only over a
+        connection it opened itself, so a failed ping says nothing; its record's TTL tells instead."""
         stages = {self.stage - 1, self.stage, self.stage + 1}
         return {r.peer_id for r in self.view.records
-                if r.stage in stages and r.state == "training" and r.peer_id != self.peer_id and not self.view.is_gone(r.peer_id)}
+                if r.stage in stages and r.state == "training" and r.peer_id != self.peer_id
+                and r.reachability != "unreachable" and not self.view.is_gone(r.peer_id)}
 
     def vouches_for(self, peer_id: str, now: float | None = None) -> bool:
         """Whether ``peer_id`` answered one of this detector's pings within :data:`VOUCH_WINDOW`

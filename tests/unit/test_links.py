@@ -158,3 +158,12 @@ def test_a_silent_ping_is_no_strike_while_other_traffic_of_that_peer_arrives():
         await ping
         assert detector._failed["b"] == 0 and not detector.downs
     asyncio.run(scenario())
+
+
+def test_a_peer_nobody_can_dial_is_not_pinged_its_record_tells_instead():
+    detector = FailureDetector(None, SwarmView(None, "run"), peer_id="me", stage=0, handler="h", on_down=lambda *a: None)
+    detector.view.records = [
+        PeerRecord(peer_id=name, role="reliable", state="training", stage=stage, flops=1e9, reachability=kind)
+        for name, stage, kind in (("same", 0, "direct"), ("next", 1, "relayed"), ("client", 0, "unreachable"),
+                                  ("far", 2, "direct"))]
+    assert detector.neighbours() == {"same", "next"}

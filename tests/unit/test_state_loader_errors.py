@@ -72,3 +72,24 @@ def test_a_holder_unreachable_at_first_serves_on_a_later_try(monkeypatch):
     loader._downloaded = downloaded
     assert asyncio.run(loader.load(SimpleNamespace(index=1), SPEC)) == "holders"
     assert loaded == ["pulled"] and len(attempts) == 3
+
+
+def test_a_holder_nobody_can_dial_is_not_asked_for_the_state(monkeypatch):
+    """A client of stage 0 behind a NAT holds the stage too, but a joiner cannot dial it: its record
+    says so, and only the holders that can be dialled are donors."""
+    asked = []
+
+    async def pull(p2p, stage, holders, **kwargs):
+        asked.append([r.peer_id for r in holders])
+        return "pulled"
+
+    loader = _loader(monkeypatch, pull)
+    loader.view.records.append(PeerRecord(peer_id="client", role="unreliable", state="training", stage=1,
+                                          flops=1e9, reachability="unreachable"))
+
+    async def downloaded(stage, result):
+        pass
+
+    loader._downloaded = downloaded
+    assert asyncio.run(loader.load(SimpleNamespace(index=1), SPEC)) == "holders"
+    assert asked == [["holder"]]
