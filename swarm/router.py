@@ -162,6 +162,7 @@ class Router:
         self.path_in_flight: Counter = Counter()  # stage 0: its microbatches out at each peer of any stage
         self.failed_until: dict[str, float] = {}  # peer -> the clock reading until which it is avoided
         self.num_failures = 0
+        self.num_timeouts = 0  # calls that got no answer in time (a queue that long is a loss to flow control)
         self._durations: collections.deque[float] = collections.deque(maxlen=200)  # answered calls, seconds
         self._own_durations: dict[str, collections.deque[float]] = {}  # per peer, its answered calls
         self._probe: dict[str, float] = {}  # peer -> the longer deadline of its next call, after a timeout
@@ -291,6 +292,7 @@ class Router:
         self._own_durations.setdefault(target, collections.deque(maxlen=OWN_CALLS)).append(duration)
 
     def _record_timeout(self, target: str, deadline: float) -> None:
+        self.num_timeouts += 1
         self._smooth_latency(target, deadline)  # it took at least that long
         if len(self._probe) > MAX_TRACKED:
             self._probe.clear()

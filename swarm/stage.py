@@ -96,6 +96,7 @@ class Stage:
         # batch was computed on differed (GradientSync.reconcile); None: nothing to reconcile
         self.reconcile: Callable[[int], Awaitable[None]] | None = None
         self._closing_batch: int | None = None
+        self.num_queued = 0  # jobs on the compute thread, running or waiting (a stage server reports it upstream)
 
     @property
     def is_first(self) -> bool:
@@ -118,7 +119,11 @@ class Stage:
         """Run ``fn`` on the stage's compute thread; :class:`StageClosedError` after :meth:`shutdown`."""
         if self._closed:
             raise StageClosedError(f"stage {self.index} is shut down")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self.num_queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self.num_queued -= 1
 
     @property
     def num_held_graphs(self) -> int:
@@ -179,26 +184,20 @@ class Stage:
 
     async def forward(self, mb_id: str, inputs: torch.Tensor, *, batch: int | None = None) -> torch.Tensor:
         """Forward of a first or middle stage; keeps the graph until :meth:`backward` or :meth:`drop`."""
+        return await self._held_forward(self._forward_sync, mb_id, inputs, batch)
+
+    async def forward_fingerprinted(self, mb_id: str, inputs: torch.Tensor, *,
+                                    batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """:meth:`forward`, plus the fingerprint of its outputs and the tag of the weights it used."""
+        return await self._held_forward(self._forward_fingerprinted_sync, mb_id, inputs, batch)
+
+    async def _held_forward(self, forward_sync: Callable[..., T], mb_id: str, inputs: torch.Tensor, batch: int | None) -> T:
         if mb_id in self._in_flight:
             raise ValueError(f"microbatch {mb_id} is already in flight here")
         self._in_flight.add(mb_id)  # reserved before the first await: a concurrent duplicate is refused
         try:
             await self.wait_current_weights(batch)
-            return await self.run(self._forward_sync, mb_id, inputs)
-        except BaseException:
-            self._in_flight.discard(mb_id)
-            self._graphs.pop(mb_id, None)
-            raise
-
-    async def forward_fingerprinted(self, mb_id: str, inputs: torch.Tensor, *,
-                                    batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """:meth:`forward`, plus the fingerprint of its outputs and the tag of the weights it used."""
-        if mb_id in self._in_flight:
-            raise ValueError(f"microbatch {mb_id} is already in flight here")
-        self._in_flight.add(mb_id)
-        try:
-            await self.wait_current_weights(batch)
-            return await self.run(self._forward_fingerprinted_sync, mb_id, inputs)
+            return await self.run(forward_sync, mb_id, inputs)
         except BaseException:
             self._in_flight.discard(mb_id)
             self._graphs.pop(mb_id, None)

@@ -190,9 +190,13 @@ class StageServer:
         fingerprint = header.get("fp") is True  # the sender spot-checks: answer every request with a fingerprint
         route = [*route, [self.peer_id, stage.index, stage.version]]
         ledger = self.ledger
+        # the reply's "queue": jobs on this stage's compute thread when the microbatch arrived (stage 0's
+        # flow control, swarm/flow_control.py, does not grow its window while the next stage is that busy)
+        ahead = stage.num_queued
         if ledger is None:
-            return await self._compute(mb_id, route, path, batch_size, activations, targets, count=True,
-                                       fingerprint=fingerprint, batch=batch)
+            reply, reply_tensors = await self._compute(mb_id, route, path, batch_size, activations, targets, count=True,
+                                                       fingerprint=fingerprint, batch=batch)
+            return {**reply, "queue": ahead}, reply_tensors
         running = ledger.running(mb_id)
         if running is not None:  # a re-delivery while the first is still being computed here
             reply, reply_tensors = await asyncio.shield(running)
@@ -210,7 +214,7 @@ class StageServer:
             ledger.fail(mb_id, e)
             raise
         ledger.finish(mb_id, {**reply, "route": reply["route"][len(route):]}, reply_tensors)
-        return reply, reply_tensors
+        return {**reply, "queue": ahead}, reply_tensors
 
     def _check_forward_tensors(self, tensors: list[torch.Tensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         spec, stage = self.stage.spec, self.stage
