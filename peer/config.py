@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from dht.records import check_run_id, check_step_semantics
 
 RECOVERY_MODES = ("replay", "restart")  # see swarm/task_pool.py
+FLOW_CONTROLS = ("auto", "fixed")  # see swarm/flow_control.py
 AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")  # swarm/robust.py's (not imported: it loads torch)
 
 DEFAULT_HOST_MADDR = "/ip4/0.0.0.0/tcp/0"
@@ -49,7 +50,8 @@ class PeerConfig:
     tokenizer: str | None = field(default=None, metadata=_help("the run's tokenizer.json, if you have it (default: obtained from the swarm; either way checked against the run's hash)"))
     sample_period: float = field(default=0.0, metadata=_help("seconds between samples of what the model writes after a fixed prompt, shown in the terminal view and on the status page; each pulls every other stage's newest state from the swarm, so 0 (none) is the default: the bootstrap's health page has them"))
     max_memory_mb: float = field(default=0.0, metadata=_help("memory this peer may use for its stage, MiB (0: what the machine has available)"))
-    max_in_flight: int = field(default=4, metadata=_help("microbatches a stage-0 peer keeps in the pipeline at once; raise for deeper pipelines"))
+    max_in_flight: int = field(default=8, metadata=_help("most microbatches a stage-0 peer keeps in the pipeline at once: the memory check sizes the stage for this many (each holds its graph at every stage it crossed), and the flow-control window stays at or below it; under the flush schedule a batch's share bounds it too"))
+    flow_control: str = field(default="auto", metadata=_help("auto: the in-flight window follows the path's measured bandwidth x delay between 1 and --max-in-flight, backing off when round trips grow (queueing) or calls time out (docs/network.md); fixed: always --max-in-flight (for comparisons)"))
     activation_checkpointing: bool = field(default=False, metadata=_help("keep only each block's input for the backward and recompute the rest when the gradient comes back: the in-flight microbatches take a small fraction of the memory, for one more forward of each block (up to a third more compute; run_peer.py --dry-run says what the stage needs either way)"))
     eval_every: int = field(default=4096, metadata=_help("samples a stage-0 peer trains between evaluations of the held-out loss through the pipeline (0: never)"))
     eval_sequences: int = field(default=128, metadata=_help("held-out sequences per evaluation (the same fixed set on every peer; more is steadier and slower)"))
@@ -112,6 +114,8 @@ class PeerConfig:
             raise ValueError("give --stage (pinned) or --first-stage (movable), not both")
         if self.num_threads < 0 or self.max_in_flight < 1:
             raise ValueError("--num-threads must be >= 0 and --max-in-flight >= 1")
+        if self.flow_control not in FLOW_CONTROLS:
+            raise ValueError(f"--flow-control must be auto or fixed, got {self.flow_control!r}")
         if self.eval_every < 0 or self.eval_sequences < 1:
             raise ValueError("--eval-every must be >= 0 (0: never) and --eval-sequences >= 1")
         for name in ("join_timeout", "heartbeat_period", "heartbeat_ttl", "request_timeout", "max_payload_mb", "status_period",

@@ -44,6 +44,7 @@ from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
 from swarm.data import TokenSampler, data_seed
 from swarm.failure_detector import FailureDetector
+from swarm.flow_control import FlowWindow
 from swarm.gradient_sync import GradientSync
 from swarm.membership import MembershipNotices, membership_handler
 from swarm.model import stage_flops_per_sample
@@ -185,6 +186,7 @@ class StageSession:
                        on_event=self._on_stage_event, sticky=replay, eval_every=config.eval_every,
                        heldout=sampler.heldout_batches(config.eval_sequences, spec.microbatch_size),
                        batch_slots=self.gradient_sync and self.gradient_sync.slots,
+                       flow=FlowWindow(max_window=config.max_in_flight, clock=ctx.clock) if config.flow_control == "auto" else None,
                        stage_flops=[stage_flops_per_sample(spec, k) for k in range(spec.num_stages)])
 
     async def serve(self, stop: asyncio.Event) -> Transition | None:

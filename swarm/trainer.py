@@ -1,8 +1,11 @@
 """Stage 0's training loop: draw microbatches from the data and push them through the pipeline.
 
-Keeps up to ``max_in_flight`` microbatches in the pipeline at once, so that while stage k works on
-one microbatch, stage k+1 works on another (pipelining by concurrency rather than a global
-schedule). The run spec's ``pipeline_schedule`` says what happens at a step: under ``flush`` (the
+Keeps several microbatches in the pipeline at once, so that while stage k works on one microbatch,
+stage k+1 works on another (pipelining by concurrency rather than a global schedule). How many: with a
+:class:`~swarm.flow_control.FlowWindow`, as many as the path's measured bandwidth × delay asks for
+(between 1 and ``max_in_flight``, the memory bound; every microbatch that comes back, with the next
+stage's compute queue from its reply, and every re-send tell it); without one, ``max_in_flight``.
+The run spec's ``pipeline_schedule`` says what happens at a step: under ``flush`` (the
 default) the microbatches of one batch are in flight together and the next batch is drawn only after
 the stage stepped on this one, so no gradient is stale; under ``delayed`` microbatches keep flowing
 across steps on the previous weight version (see :mod:`swarm.stage` and docs/convergence.md).
@@ -31,12 +34,14 @@ from typing import Any
 import torch
 
 from swarm.data import TokenSampler
+from swarm.flow_control import FlowWindow
 from swarm.router import NoPeerAvailableError, Router
 from swarm.stage import Stage
 from swarm.task_pool import Task, TaskPool
 
 logger = logging.getLogger(__name__)
 PAUSE_POLL_PERIOD = 0.2  # how soon a paused trainer notices it was resumed, seconds
+MAX_REPORTED_QUEUE = 1 << 16  # a next stage's compute queue beyond this is nonsense (remote input): ignored
 
 
 class Trainer:
@@ -57,6 +62,7 @@ class Trainer:
         heldout: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
         eval_every: int = 0,
         batch_slots: Callable[[int], Sequence[int]] | None = None,
+        flow: FlowWindow | None = None,
     ) -> None:
         if not stage.is_first:
             raise ValueError("only stage 0 owns data and injects microbatches")
@@ -81,6 +87,9 @@ class Trainer:
         # (swarm.gradient_sync.GradientSync.slots); None: the whole batch
         self.batch_slots = batch_slots
         self.last_val_loss = math.nan
+        self.flow = flow  # None: always max_in_flight in flight
+        self._window_changed = asyncio.Event()  # lanes beyond the window wait on it
+        self._timeouts_seen = 0  # the router's timed-out calls already told to the flow window
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until ``stop`` is set; then let in-flight microbatches finish."""
@@ -116,6 +125,11 @@ class Trainer:
             else:
                 await stage.wait_step_done()
 
+    @property
+    def window(self) -> int:
+        """Microbatches to keep in flight now: lanes at or beyond it wait."""
+        return self.max_in_flight if self.flow is None else min(self.max_in_flight, self.flow.window)
+
     def begin_batch(self, per_batch: int) -> int:
         """Start drawing the next batch (``flush``) of ``per_batch`` microbatches: this replica's
         positions in it (all of them unless the stage exchanges gradients with co-replicas), drawn by
@@ -133,6 +147,9 @@ class Trainer:
                 continue
             if self._slots is not None and not self._slots and not len(self.pool):
                 return  # flush: this batch is drawn and nothing of it waits for a replay
+            if lane >= self.window:  # beyond the flow window: wait until it grows (or the batch ends)
+                await self._wait_window_change()
+                continue
             task = self.next_task()
             if task is None:  # only replays wait, not ready yet
                 await asyncio.sleep(min(self.pool.next_ready_in(), PAUSE_POLL_PERIOD))
@@ -144,6 +161,34 @@ class Trainer:
                 logger.debug(str(e))
             if lane == 0 and self._slots is None:  # delayed: evaluate between this lane's microbatches
                 await self.maybe_evaluate()
+
+    async def _wait_window_change(self) -> None:
+        self._window_changed.clear()
+        try:
+            await asyncio.wait_for(self._window_changed.wait(), timeout=PAUSE_POLL_PERIOD)
+        except asyncio.TimeoutError:
+            pass  # (a batch drained meanwhile, a pause: checked by the caller)
+
+    def _tell_flow(self, seconds: float | None, reply: dict[str, Any] | None = None) -> None:
+        """A microbatch came back after ``seconds`` (None: it has to be re-sent); a call to the next
+        stage that timed out meanwhile is a loss too (a queue so long that answers came too late)."""
+        flow = self.flow
+        if flow is None:
+            return
+        before = flow.window
+        timeouts = getattr(self.router, "num_timeouts", 0)
+        if seconds is None or timeouts > self._timeouts_seen:
+            flow.on_loss()
+        self._timeouts_seen = timeouts
+        if seconds is not None:
+            queue = (reply or {}).get("queue")
+            valid = type(queue) is int and 0 <= queue <= MAX_REPORTED_QUEUE
+            flow.on_round_trip(seconds, in_flight=len(self.in_flight), queue=queue if valid else None)
+        if flow.window != before:
+            self._window_changed.set()
+            estimate = flow.estimate()
+            self.on_event("flow_window", window=flow.window, before=before, min_rtt=estimate.min_rtt,
+                          srtt=estimate.srtt, bdp=estimate.bdp, queued=estimate.queued, losses=flow.num_losses)
 
     async def maybe_evaluate(self) -> None:
         """Evaluate the held-out loss if ``eval_every`` samples passed since the last evaluation."""
@@ -222,7 +267,9 @@ class Trainer:
                 loss, _ = await stage.forward_loss_backward(task.inputs, task.targets)
                 route = [[self.peer_id, 0, stage.version]]
             else:
-                loss, route = await self._through_pipeline(task)
+                reply = await self._through_pipeline(task)
+                loss, route = float(reply.get("loss", float("nan"))), reply["route"]
+                self._tell_flow(time.monotonic() - started, reply)
         finally:
             del self.in_flight[task.mb_id]
         stage.record_microbatch(batch_size, loss)
@@ -232,7 +279,8 @@ class Trainer:
                             "seconds": time.monotonic() - started})
         return loss
 
-    async def _through_pipeline(self, task: Task) -> tuple[float, list]:
+    async def _through_pipeline(self, task: Task) -> dict[str, Any]:
+        """``task`` to the next stage and its gradient back through this stage; the next stage's reply."""
         stage, router = self.stage, self.router
         if self.sticky and task.path is None:
             task.path = router.plan_path(self.stage_flops)
@@ -249,6 +297,7 @@ class Trainer:
         except NoPeerAvailableError as e:
             await stage.drop(task.mb_id)
             self.pool.put_back(task, str(e))
+            self._tell_flow(None)
             raise
         except BaseException:
             await stage.drop(task.mb_id)
@@ -259,4 +308,4 @@ class Trainer:
             logger.warning(f"microbatch {task.mb_id} came back with an unusable gradient: {e}")
             self.pool.put_back(task, str(e))
             raise NoPeerAvailableError(f"microbatch {task.mb_id} came back with an unusable gradient") from e
-        return float(reply.get("loss", float("nan"))), reply.get("route", route)
+        return reply if "route" in reply else {**reply, "route": route}

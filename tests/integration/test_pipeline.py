@@ -13,6 +13,7 @@ import torch
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from dht.registry import declare_peer
 from swarm.data import TokenSampler, load_corpus
+from swarm.flow_control import FlowWindow
 from swarm.model import StageModel, activation_dtype, next_token_loss, stage_forward
 from swarm.router import NoPeerAvailableError, Router
 from dht.rpc import RemoteError, call_peer, forward_handler
@@ -191,5 +192,36 @@ def test_no_peer_of_next_stage_raises_and_releases_the_graph(dht_nodes):
         with pytest.raises(NoPeerAvailableError):
             await trainer.run_microbatch()
         assert stage0.num_held_graphs == 0  # the failed microbatch released its graph
+
+    asyncio.run(main())
+
+
+def test_the_trainer_keeps_what_the_flow_window_allows_in_flight_and_tells_it_every_round_trip(dht_nodes):
+    """swarm/flow_control.py wired into the trainer: it starts at one microbatch in flight, every
+    answer carries the next stage's compute queue, and more go out only once the window grew."""
+    _, (dht0, _), (dht1, v1) = dht_nodes
+
+    async def main():
+        await serve_last_stage(dht1, v1)
+        stage0, trainer, router = await first_stage_trainer(dht0)
+        flow = FlowWindow(max_window=4, initial_window=1)
+        trainer.flow, trainer.max_in_flight = flow, 4
+        told, events = [], []
+        tell = flow.on_round_trip
+        flow.on_round_trip = lambda seconds, *, in_flight, queue=None: told.append((in_flight, queue, flow.window)) or tell(
+            seconds, in_flight=in_flight, queue=queue)
+        trainer.on_event = lambda event, **fields: events.append((event, fields))
+        stop = asyncio.Event()
+        running = asyncio.create_task(trainer.run(stop))
+        async with asyncio.timeout(60):
+            while not any(n > 1 for n, _, _ in told) or len(told) < 20:
+                await asyncio.sleep(0.05)
+        stop.set()
+        await running
+        assert told[0][0] == 1 and all(n <= window for n, _, window in told[:3]), told[:5]
+        assert all(type(queue) is int and queue >= 0 for _, queue, _ in told), told
+        assert all(n <= 4 for n, _, _ in told)
+        grown = [fields for event, fields in events if event == "flow_window"]
+        assert grown and grown[0]["before"] == 1 and grown[0]["window"] == 2, events[:5]
 
     asyncio.run(main())
