@@ -55,6 +55,7 @@ MODEL_FAMILIES = ("gpt", "llama")
 MODEL_WIRE_DEFAULTS = {"family": "gpt", "num_kv_heads": 0, "ffn_dim": 0}
 TOKENIZER_PATTERN = r"bytes|bpe:[0-9a-f]{64}"  # a run spec's tokenizer (swarm.tokenizer)
 PRECISIONS = ("fp32", "bf16")  # how a run's stages compute (RunSpec.precision)
+BOUNDARY_CODECS = ("none", "bf16", "fp16", "int8")  # what crosses a stage boundary (swarm.boundary_codec)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +179,11 @@ class RunSpec:
             property, not a peer's choice: spot checks compare replicas' outputs strictly, and a bf16
             replica's differ from an fp32 one's by far more than float reassociation. Left out of
             the wire form when it is fp32.
+        boundary_codec: how activations and their gradients cross a stage boundary
+            (``BOUNDARY_CODECS``, ``swarm.boundary_codec``): ``"none"`` (the default: as computed,
+            fp32 or bf16), ``"bf16"``, ``"fp16"`` (scaled) or ``"int8"`` (blockwise absmax, 3.76×
+            fewer bytes than fp32). A run property: every peer must decode what the others encode.
+            Left out of the wire form when it is none.
         seed: the seed of deterministic initialisation and of data order.
         protocol_version: bumped when the wire protocol changes incompatibly.
         layout_version: 0 in the published spec. A peer that trains under a layout re-planned after a
@@ -200,6 +206,7 @@ class RunSpec:
     dataset: str = "builtin:pydoc"
     tokenizer: str = "bytes"
     precision: str = "fp32"
+    boundary_codec: str = "none"
     seed: int = 0
     protocol_version: int = PROTOCOL_VERSION
     layout_version: int = 0
@@ -225,6 +232,8 @@ class RunSpec:
             raise ValueError(f"tokenizer must be 'bytes' or 'bpe:<sha256>', got {self.tokenizer!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.boundary_codec not in BOUNDARY_CODECS:
+            raise ValueError(f"boundary_codec must be one of {', '.join(BOUNDARY_CODECS)}, got {self.boundary_codec!r:.40}")
 
     @property
     def num_stages(self) -> int:
@@ -247,7 +256,7 @@ class RunSpec:
         for key, default in MODEL_WIRE_DEFAULTS.items():
             if wire["model"][key] == default:
                 del wire["model"][key]
-        for key, default in (("tokenizer", "bytes"), ("precision", "fp32")):  # the first round's wire form and hashes
+        for key, default in (("tokenizer", "bytes"), ("precision", "fp32"), ("boundary_codec", "none")):  # the first round's wire form and hashes
             if wire[key] == default:
                 del wire[key]
         return wire
@@ -279,7 +288,8 @@ class RunSpec:
             f"layers={m.num_layers} heads={m.num_heads}{f'/{m.kv_heads} kv' if m.kv_heads != m.num_heads else ''} "
             f"seq_len={m.seq_len}, {self.num_stages} stages {list(self.stage_layers)}, "
             f"dataset {self.dataset}, {'byte' if self.tokenizer == 'bytes' else 'BPE'} tokens "
-            f"(vocabulary {m.vocab_size}), {self.precision}, seed {self.seed}"
+            f"(vocabulary {m.vocab_size}), {self.precision}"
+            f"{'' if self.boundary_codec == 'none' else f', {self.boundary_codec} at stage boundaries'}, seed {self.seed}"
         )
 
 

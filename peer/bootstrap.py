@@ -56,7 +56,8 @@ def prepare_run(config: BootstrapConfig) -> tuple[RunSpec, Tokenizer]:
         target_batch_size=config.target_batch_size, pipeline_schedule=config.pipeline_schedule,
         replica_sync=config.replica_sync,
         averaging_period=config.averaging_period,
-        dataset=dataset, tokenizer=tokenizer.id, precision=config.precision, seed=config.seed,
+        dataset=dataset, tokenizer=tokenizer.id, precision=config.precision,
+        boundary_codec=config.boundary_codec, seed=config.seed,
     )
     if config.num_stages == 0:
         num_stages, _ = stages_to_fit(spec, config.stage_memory_gb * 2**30)

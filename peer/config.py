@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from dht.records import check_run_id, check_step_semantics
+from dht.records import BOUNDARY_CODECS, check_run_id, check_step_semantics
 
 RECOVERY_MODES = ("replay", "restart")  # see swarm/task_pool.py
 FLOW_CONTROLS = ("auto", "fixed")  # see swarm/flow_control.py
@@ -196,6 +196,7 @@ class BootstrapConfig:
     tokenizer: str = field(default="bytes", metadata=_help("bytes (every byte a token), bpe (train a byte-level BPE tokenizer on the data, offline) or the path of a tokenizer.json; peers obtain it from the swarm, pinned by its hash"))
     vocab_size: int = field(default=4096, metadata=_help("with --tokenizer bpe: the vocabulary to train"))
     precision: str = field(default="fp32", metadata=_help("how every peer computes: fp32, or bf16 (autocast on any device; fp32 master weights and AdamW moments; activations and gradients sent in bf16, half the bytes): the usual choice for a swarm of GPUs"))
+    boundary_codec: str = field(default="none", metadata=_help("how activations and their gradients cross a stage boundary: none (as computed: fp32, or bf16 under --precision bf16), bf16 or fp16 (half of fp32's bytes), int8 (blockwise absmax, 3.76x fewer bytes than fp32, error at most 1/254 of each block's largest value); a run property, see docs/compression.md"))
     spec_refresh_period: float = field(default=60.0, metadata=_help("seconds between re-publications of the run spec"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
     status_port: int = field(default=0, metadata=_help("serve the swarm health page (/), /status.json and Prometheus /metrics on this TCP port (0: off)"))
@@ -221,5 +222,7 @@ class BootstrapConfig:
         if not (math.isfinite(self.stage_memory_gb) and self.stage_memory_gb > 0):
             raise ValueError("--stage-memory-gb must be a positive number")
         check_step_semantics(self.pipeline_schedule, self.replica_sync, flags=True)
+        if self.boundary_codec not in BOUNDARY_CODECS:
+            raise ValueError(f"--boundary-codec must be one of {', '.join(BOUNDARY_CODECS)}, got {self.boundary_codec!r}")
         if not self.tokenizer:
             raise ValueError("--tokenizer must be bytes, bpe, or the path of a tokenizer.json")

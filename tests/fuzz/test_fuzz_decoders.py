@@ -18,11 +18,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dht.records import PeerRecord, RunSpec
-from dht.wire import ProtocolError, decode_header, parse_tensor_layouts, read_message
+from dht.records import BOUNDARY_CODECS, PeerRecord, RunSpec
+from dht.wire import DTYPE_NAMES, DTYPES, ProtocolError, decode_header, parse_tensor_layouts, read_message
 from peer.status.http import BadRequest, parse_request_head
 from replication.manifest import Manifest
 from replication.server import require_int, unpack_bytes
+from swarm.boundary_codec import boundary_codec
 from swarm.stage_server import _check_forward_header
 
 EXAMPLES = 1_000
@@ -165,6 +166,48 @@ def test_unpack_bytes_fits_or_refuses(tensors, nbytes):
     except ProtocolError:
         return
     assert len(view) == nbytes
+
+
+BOUNDARY_SHAPE = (3, 50)  # what the run spec expects; 150 values: two full int8 blocks and a short one
+special = st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e38, -1e38, 1e-45, 65504.0, 70000.0, -128.0])
+
+
+def _tensor(dtype_name: str, shape: list[int], fill: list[float]) -> torch.Tensor:
+    dtype, numel = DTYPES[dtype_name], math.prod(shape)
+    values = torch.tensor(fill or [0.0], dtype=torch.float64).repeat(numel // max(len(fill), 1) + 1)[:numel]
+    if not dtype.is_floating_point:
+        values = values.nan_to_num(0.0, 0.0, 0.0).clamp(-(2.0**62), 2.0**62)
+        values = values.remainder(256) - 128 if dtype == torch.int8 else values
+    return values.to(dtype).reshape(shape)
+
+
+any_wire = st.lists(st.builds(_tensor, st.sampled_from(sorted(DTYPES)),
+                              st.lists(st.integers(0, 160), max_size=2) | st.sampled_from([[150], [3, 50], [1], [3], [150, 1]]),
+                              st.lists(st.floats() | special, max_size=8)), max_size=4)
+
+
+def _near_valid_wire(name: str, seed: int, position: int, index: int, value: float) -> list[torch.Tensor]:
+    """A valid encoding with one value of one wire tensor replaced by ``value`` (cast to its dtype)."""
+    x = torch.randn(BOUNDARY_SHAPE, generator=torch.Generator().manual_seed(seed)) * 10.0 ** (seed % 7 - 3)
+    wire = [t.clone() for t in boundary_codec(name).encode(x)]
+    target = wire[position % len(wire)].reshape(-1)
+    if target.numel():
+        target[index % target.numel()] = _tensor(DTYPE_NAMES[target.dtype], [1], [value]).item()
+    return wire
+
+
+near_valid_wire = st.builds(_near_valid_wire, st.sampled_from(BOUNDARY_CODECS), st.integers(0, 100), st.integers(0, 3),
+                            st.integers(0, 200), st.floats() | special)
+
+
+@SETTINGS
+@given(st.sampled_from(BOUNDARY_CODECS), any_wire | near_valid_wire, st.sampled_from([torch.float32, torch.bfloat16]))
+def test_boundary_codecs_decode_the_expected_finite_tensor_or_refuse(name, wire, dtype):
+    try:
+        decoded = boundary_codec(name).decode(wire, shape=BOUNDARY_SHAPE, dtype=dtype)
+    except ProtocolError:
+        return
+    assert decoded.shape == BOUNDARY_SHAPE and decoded.dtype == dtype and bool(torch.isfinite(decoded).all())
 
 
 heads = st.one_of(
