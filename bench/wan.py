@@ -1,7 +1,8 @@
 """A 2 × 2 swarm on emulated home links, beside the same swarm on loopback, in one invocation.
 
     python bench/wan.py [--seconds 60] [--settings loopback namespaces 100/10 50/25 20/40] [--nat]
-                        [--late-joiner] [--link-check]
+                        [--late-joiner] [--link-check] [--bootstrap-args '...'] [--peer-args '...']
+                        [--no-idle-restart]
 
 Needs root (peer/harness/internet.py). Every setting runs the same swarm: ``run_bootstrap.py``
 (default model, 2 stages) and four ``run_peer.py`` with stages pinned 0, 1, 0, 1 and one torch
@@ -22,7 +23,18 @@ Each setting: the swarm starts, trains for a warm-up, then is measured over ``--
 tokens/s (from the peers' metrics), the last stage's mean loss over the window's last 20
 microbatches, the CPU busy fraction of the whole machine (/proc/stat), each peer's uplink use
 (bytes its link sent ÷ rate × time), averaging rounds that succeeded and failed; over the swarm's
-whole life, peers declared down (all of them lived: every one is false) and log lines with a traceback. One JSON line per setting:
+whole life, peers declared down (all of them lived: every one is false) and log lines with a traceback.
+
+Where the time and the CPU go (issue #16): ``cpu_ms_per_microbatch`` splits the window's CPU time
+per microbatch (utime + stime from /proc/<pid>/stat) into the peers' own Python processes, their
+``p2pd`` daemons, their other children (hivemind's DHT and averager processes), the bootstrap's
+tree, the delay line, and the whole machine (the rest of ``machine`` is the kernel: namespaces,
+``tc``, TCP). From the peers' events: the median stage-0 microbatch round trip and the flow window it
+was sent under (``window_mean``, ``window_max``, ``window_changes``), microbatches replayed, and under
+``flush`` a batch's microbatches (``batch_pipeline_s``) against its step (``batch_close_s``) and each
+stage's gradient exchange with its co-replica (``exchange_s``, stage 0 then 1). ``--no-idle-restart``
+turns off TCP's slow start after idle on the emulated hosts, to see what it costs a step whose
+bursts follow idle gaps (``"tcp_slow_start_after_idle": false``). One JSON line per setting:
 ``{"bench": "wan", "setting", "rate_mbit", "delay_ms", "nat", "tokens_per_s", "loopback_tokens_per_s",
 "ratio_to_loopback", "cpu_busy", ...}``.
 """
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.proc_table import descendants, process_table  # noqa: E402
 from peer.harness.internet import Host, Internet, Link  # noqa: E402
 from peer.harness.local_swarm import REPO_ROOT, LocalSwarm, wait_for  # noqa: E402
 
@@ -68,19 +82,58 @@ def cpu_times() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def build_internet(name: str, link: Link, *, nat: bool, num_peers: int) -> tuple[Internet, Host, list[Host]]:
+def cpu_ticks(pid: int, *, thread: int | None = None) -> int:
+    """utime + stime of process ``pid`` (or only of its thread ``thread``) in clock ticks (0 once gone)."""
+    path = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
+    try:
+        fields = path.read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def process_kinds(peers: list, bootstrap) -> dict[str, list[int]]:
+    """The swarm's processes by kind: each peer's own Python process, the p2pd daemons and the other
+    children (hivemind's DHT and averager processes) of the peers, the bootstrap's tree, the delay line.
+    ``peer_loop`` is the main thread of each peer (its event loop: handlers, serialization, routing)."""
+    table = process_table()
+    kinds: dict[str, list[int]] = {"peer": [], "peer_loop": [], "p2pd": [], "peer_children": [], "bootstrap": [],
+                                   "delay_line": []}
+    for peer in peers:
+        kinds["peer"].append(peer.pid)
+        kinds["peer_loop"].append(-peer.pid)  # negative: the main thread alone
+        for pid in descendants(peer.pid, table):
+            kinds["p2pd" if table[pid].comm == "p2pd" else "peer_children"].append(pid)
+    kinds["bootstrap"] = [bootstrap.pid, *descendants(bootstrap.pid, table)]
+    kinds["delay_line"] = [pid for pid, stat in table.items() if stat.comm == "delay_line"]
+    return kinds
+
+
+def cpu_by_kind(kinds: dict[str, list[int]]) -> dict[str, int]:
+    return {kind: sum(cpu_ticks(pid) if pid > 0 else cpu_ticks(-pid, thread=-pid) for pid in pids)
+            for kind, pids in kinds.items()}
+
+
+def build_internet(name: str, link: Link, *, nat: bool, num_peers: int,
+                   idle_restart: bool = True) -> tuple[Internet, Host, list[Host]]:
+    """``idle_restart=False`` turns off TCP's slow start after idle (``net.ipv4.tcp_slow_start_after_idle``,
+    per namespace) on every host: a connection idle for a retransmission timeout then keeps its
+    congestion window instead of starting again from 10 segments (an experiment, not the default)."""
     internet = Internet(seed=len(name))
     server = internet.add_host("bootstrap", link)
     hosts = [internet.add_host(f"peer{i}", link, nat="port-restricted" if nat and i in NATTED else None)
              for i in range(num_peers)]
     internet.start()
+    if not idle_restart:
+        for host in (server, *hosts):
+            host.run("sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
     return internet, server, hosts
 
 
 def run_setting(name: str, link: Link | None, *, nat: bool, seconds: float, workdir: Path, late_joiner: bool,
-                bootstrap_args: tuple[str, ...] = ()) -> dict:
+                bootstrap_args: tuple[str, ...] = (), peer_args: tuple[str, ...] = (), idle_restart: bool = True) -> dict:
     internet, server, hosts = (None, None, []) if link is None else build_internet(
-        name, link, nat=nat, num_peers=len(STAGES) + late_joiner)
+        name, link, nat=nat, num_peers=len(STAGES) + late_joiner, idle_restart=idle_restart)
 
     def where(i: int | None) -> dict:
         host = server if i is None else hosts[i] if hosts else None
@@ -89,13 +142,14 @@ def run_setting(name: str, link: Link | None, *, nat: bool, seconds: float, work
     swarm = LocalSwarm(workdir)
     try:
         swarm.start_bootstrap(*BOOTSTRAP_ARGS, *bootstrap_args, **where(None))
-        peers = [swarm.start_peer("--stage", str(stage), *PEER_ARGS, **where(i)) for i, stage in enumerate(STAGES)]
+        peers = [swarm.start_peer("--stage", str(stage), *PEER_ARGS, *peer_args, **where(i)) for i, stage in enumerate(STAGES)]
         wait_for(lambda: all(p.events("status") or not p.is_alive() for p in peers), 240, "four peers to train")
         time.sleep(WARMUP_SECONDS)
         bytes_before = [internet.link_bytes(h) for h in hosts[:len(STAGES)]] if internet else []
-        cpu_before, start = cpu_times(), time.time()
+        kinds = process_kinds(peers, swarm.bootstrap)
+        cpu_before, kinds_before, start = cpu_times(), cpu_by_kind(kinds), time.time()
         time.sleep(seconds)
-        cpu_after, end = cpu_times(), time.time()
+        cpu_after, kinds_after, end = cpu_times(), cpu_by_kind(kinds), time.time()
         uplink = [(after[0] - before[0]) * 8 / (link.upload_mbit * 1e6 * (end - start)) for before, after in
                   zip(bytes_before, [internet.link_bytes(h) for h in hosts[:len(STAGES)]])] if internet and link.upload_mbit else []
         download = None
@@ -115,7 +169,13 @@ def run_setting(name: str, link: Link | None, *, nat: bool, seconds: float, work
                   "late_joiner_download_s": None if download is None else download.get("seconds"),
                   "late_joiner_version": None if download is None else download.get("version"),
                   "delay_line_late_max_us": delay_line.get("late_max_us")}
-        return {**result, **swarm_figures(swarm, peers, start, end, lived_until)}
+        figures = swarm_figures(swarm, peers, start, end, lived_until)
+        ms_per_tick = 1000 / os.sysconf("SC_CLK_TCK")
+        per_mb = {kind: round((kinds_after[kind] - kinds_before[kind]) * ms_per_tick / max(1, figures["microbatches"]), 1)
+                  for kind in kinds}
+        machine = (cpu_after[0] - cpu_before[0]) * ms_per_tick / max(1, figures["microbatches"])
+        result["cpu_ms_per_microbatch"] = {**per_mb, "machine": round(machine, 1)}
+        return {**result, **figures}
     finally:
         swarm.shutdown(timeout=20)
         if internet is not None:
@@ -137,6 +197,29 @@ def swarm_figures(swarm: LocalSwarm, peers: list, start: float, end: float, live
         "peer_down_events": sum(e["t"] < lived_until for p in peers for e in p.events("peer_down")),
         "tracebacks": sum(log.count("Traceback (most recent call last)") for log in logs),
         "exit_codes": [p.process.returncode for p in peers],
+        **pipeline_figures(peers, start, end),
+    }
+
+
+def pipeline_figures(peers: list, start: float, end: float) -> dict:
+    """Where a step's time goes, from the peers' events in [start, end): a stage-0 microbatch's round
+    trip and the flow window it was sent under; under ``flush``, a batch's microbatches
+    (``pipeline_s``) and its step (``close_s``), and each stage's gradient exchange with its co-replica."""
+    def within(event: str, stage: int) -> list[dict]:
+        return [e for p in peers for e in p.events(event) if e["stage"] == stage and start <= e["t"] < end]
+
+    def mean(values: list[float]) -> float | None:
+        return round(statistics.mean(values), 3) if values else None
+
+    sent = within("microbatch", 0)
+    batches = within("batch_done", 0)
+    return {
+        "mb_round_trip_s_p50": round(statistics.median(e["seconds"] for e in sent), 3) if sent else None,
+        "window_mean": mean([e["window"] for e in sent if "window" in e]),
+        "window_max": max((e["window"] for e in sent if "window" in e), default=None),
+        "window_changes": len(within("flow_window", 0)), "replayed": len(within("replayed", 0)),
+        "batch_pipeline_s": mean([e["pipeline_s"] for e in batches]), "batch_close_s": mean([e["close_s"] for e in batches]),
+        "exchange_s": [mean([e["seconds"] for e in within("gradients_exchanged", stage)]) for stage in (0, 1)],
     }
 
 
@@ -170,6 +253,10 @@ def main() -> None:
     parser.add_argument("--link-check", action="store_true", help="first measure the emulated link itself")
     parser.add_argument("--bootstrap-args", default="", help="more flags for run_bootstrap.py, e.g. "
                         "'--pipeline-schedule delayed --replica-sync periodic' (the first round's schedule)")
+    parser.add_argument("--peer-args", default="", help="more flags for every run_peer.py, e.g. "
+                        "'--flow-control fixed --max-in-flight 4' (the constant window before issue #16)")
+    parser.add_argument("--no-idle-restart", action="store_true", help="turn off TCP's slow start after idle on "
+                        "the emulated hosts (net.ipv4.tcp_slow_start_after_idle=0): how much of a step is that")
     parser.add_argument("--keep", metavar="DIR", help="keep the swarms' logs and metrics under DIR")
     args = parser.parse_args()
     if args.link_check:
@@ -182,8 +269,10 @@ def main() -> None:
         for i, (name, nat) in enumerate(runs):
             workdir = Path(args.keep or tmp) / f"run{i}-{name.replace('/', '_')}{'-nat' if nat else ''}"
             result = run_setting(name, parse_setting(name), nat=nat, seconds=args.seconds, workdir=workdir,
-                                 late_joiner=args.late_joiner, bootstrap_args=extra)
-            result["bootstrap_args"] = " ".join(extra)
+                                 late_joiner=args.late_joiner, bootstrap_args=extra, peer_args=tuple(args.peer_args.split()),
+                                 idle_restart=not args.no_idle_restart)
+            result["bootstrap_args"], result["peer_args"] = " ".join(extra), args.peer_args
+            result["tcp_slow_start_after_idle"] = not args.no_idle_restart
             loopback = loopback if loopback is not None else result["tokens_per_s"]
             result["loopback_tokens_per_s"] = loopback
             result["ratio_to_loopback"] = round(result["tokens_per_s"] / loopback, 3) if loopback else None

@@ -193,6 +193,7 @@ class GradientSync:
         members = self.co_replicas()
         contributions = {self.peer_id: (gradients, count)}
         header = {"batch": batch, "count": count, "weights": weights, "steps": self.stage.optimizer_steps}
+        started = asyncio.get_running_loop().time()
         if members:
             for peer_id in members:  # theirs may come first: they still need this one
                 self._push_soon(peer_id, batch, header, gradients)
@@ -203,6 +204,8 @@ class GradientSync:
             ahead = self._ahead.get(batch, set())
             self._late = {p for p in members if p not in contributions and p not in ahead and not self.view.is_gone(p)}
         missing = [p[-6:] for p in members if p not in contributions]
+        self.on_event("gradients_exchanged", batch=batch, co_replicas=len(members), missing=len(missing),
+                      seconds=round(asyncio.get_running_loop().time() - started, 4))  # what a step waits on its co-replicas
         self.num_exchanges += 1
         self.num_alone += not members
         if missing:

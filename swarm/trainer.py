@@ -107,23 +107,28 @@ class Trainer:
                 self.on_event("unfinished", mb_ids=[t.mb_id for t in pending], samples=sum(t.batch_size for t in pending))
 
     async def _run_flushed(self, stop: asyncio.Event) -> None:
-        """The ``flush`` schedule: one batch at a time. Its microbatches run concurrently (up to
-        ``max_in_flight``, replays included) and the next batch starts only after the stage stepped
-        on this one, so every gradient is computed on the current weights."""
+        """The ``flush`` schedule: one batch at a time. Its microbatches run concurrently (up to the
+        window, replays included) and the next batch starts only after the stage stepped on this
+        one, so every gradient is computed on the current weights. Each batch ends with a
+        ``batch_done`` event: how long its microbatches took (``pipeline_s``) and the step after
+        them (``close_s``: the gradient exchange with co-replicas, or waiting for the step)."""
         stage = self.stage
         per_batch = -(-stage.spec.target_batch_size // stage.spec.microbatch_size)
         while not stop.is_set():
             await self.maybe_evaluate()
-            share = self.begin_batch(per_batch)
+            share, batch, began = self.begin_batch(per_batch), self._batch, time.monotonic()
             async with asyncio.TaskGroup() as group:
                 for lane in range(min(self.max_in_flight, share)):
                     group.create_task(self._lane(stop, lane))
             if stop.is_set() and self._slots:
                 break  # stopped mid-batch: the co-replicas finish this batch without this replica
+            drained = time.monotonic()
             if stage.exchanges_gradients:
                 await stage.close_batch()
             else:
                 await stage.wait_step_done()
+            self.on_event("batch_done", batch=batch, microbatches=share, pipeline_s=round(drained - began, 4),
+                          close_s=round(time.monotonic() - drained, 4))
 
     @property
     def window(self) -> int:
@@ -276,7 +281,7 @@ class Trainer:
         self.on_event("accumulated", mb_id=task.mb_id, samples=batch_size)
         self.on_microbatch({"mb_id": task.mb_id, "loss": loss, "route": route, "samples": batch_size,
                             "tokens": batch_size * stage.spec.model.seq_len, "attempts": task.attempt + 1,
-                            "seconds": time.monotonic() - started})
+                            "seconds": time.monotonic() - started, "window": self.window})
         return loss
 
     async def _through_pipeline(self, task: Task) -> dict[str, Any]:
