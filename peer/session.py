@@ -42,6 +42,7 @@ from planner.backup_plan import Rescue
 from planner.stage_choice import StageMove
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
+from swarm.boundary_codec import boundary_codec
 from swarm.data import TokenSampler, data_seed
 from swarm.failure_detector import FailureDetector
 from swarm.flow_control import FlowWindow
@@ -176,7 +177,7 @@ class StageSession:
                       request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                       rng=random.Random(f"{spec.seed}:{ctx.peer_id}"), sticky=replay,
                       max_attempts=3 if replay else 1, reputation=ctx.reputation, spot_checker=checker, clock=ctx.clock,
-                      links=ctx.links)
+                      links=ctx.links, codec=boundary_codec(spec.boundary_codec))
 
     def _new_trainer(self, replay: bool) -> Trainer:
         ctx, spec, config, stage = self.ctx, self.spec, self.ctx.config, self.stage

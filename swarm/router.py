@@ -50,7 +50,9 @@ from dht.rpc import (
     call_peer,
     forward_handler,
 )
+from dht.wire import ProtocolError
 from planner.claims import cap_to_median
+from swarm.boundary_codec import BoundaryCodec, boundary_codec
 from swarm.links import LinkMeter
 from swarm.spot_check import SpotChecker
 from swarm.admission import NOT_MEMBER, RATE_LIMITED
@@ -148,8 +150,10 @@ class Router:
         spot_checker: SpotChecker | None = None,
         clock: Callable[[], float] = time.monotonic,
         links: LinkMeter | None = None,
+        codec: BoundaryCodec | None = None,
     ) -> None:
         self.p2p, self.view, self.run_id = p2p, view, run_id
+        self.codec = codec if codec is not None else boundary_codec("none")  # the run spec's boundary_codec
         self.clock = clock
         self.links = links if links is not None else LinkMeter()  # its answers say the next hop is alive
         self.spot_checker = spot_checker
@@ -219,6 +223,27 @@ class Router:
             others = [r.peer_id for r in self.view.members(self.next_stage) if r.peer_id != target and self._available(r.peer_id, now)]
             checker.start_check(header, tensors, peer_id=target, reply=reply, fingerprint=fingerprint, candidates=others)
         return reply, reply_tensors[:1]
+
+    def _decoded(self, target: str, header: dict[str, Any], activations: torch.Tensor,
+                 answer: tuple[dict[str, Any], list[torch.Tensor]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The answer with its gradient decoded (``[gradient]`` or ``[gradient, fingerprint]``); a
+        held-out answer carries none. An undecodable gradient strikes ``target`` and ends the call:
+        it was computed and counted there, so it is not sent to another replica."""
+        reply, reply_tensors = answer
+        if header.get("kind") == "eval":
+            return answer
+        n = self.codec.num_wire_tensors
+        try:
+            if len(reply_tensors) not in (n, n + 1):
+                raise ProtocolError(f"a forward answer carries {n} or {n + 1} tensors, got {len(reply_tensors)}")
+            grad = self.codec.decode(reply_tensors[:n], shape=tuple(activations.shape), dtype=activations.dtype,
+                                     name="gradient")
+        except ProtocolError as e:
+            self.num_failures += 1
+            if self.reputation is not None:
+                self.reputation.strike(target, f"answered a forward call with a malformed gradient: {e}")
+            raise NoPeerAvailableError(f"{target} answered microbatch {header.get('mb_id')} with a malformed gradient: {e}") from e
+        return reply, [grad, *reply_tensors[n:]]
 
     def peer_down(self, peer_id: str) -> None:
         """``peer_id`` is gone (a leave notice or the failure detector said so): send it nothing new.
@@ -303,10 +328,15 @@ class Router:
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """Send a forward request to a peer of the next stage; on failure try another one.
 
+        ``tensors`` are ``[activations, targets]``; the activations travel encoded by the run's
+        boundary codec, and the gradient of the answer comes back decoded to their shape and dtype.
+
         Raises:
-            NoPeerAvailableError: every attempt failed or nobody serves the next stage.
+            NoPeerAvailableError: every attempt failed or nobody serves the next stage, or the peer
+                that answered sent a gradient that does not decode (it is struck).
         """
         mb_id = str(header.get("mb_id"))
+        wire = [*self.codec.encode(tensors[0]), *tensors[1:]]  # once: re-sends and spot checks send the same bytes
         checker = self.spot_checker
         if checker is not None and checker.is_enabled and header.get("kind") != "eval":
             header = {**header, "fp": True}  # on every request, so a replica cannot tell which are checked
@@ -323,11 +353,11 @@ class Router:
             started, deadline = self.clock(), self.call_timeout(target)
             try:
                 answer = await call_peer(
-                    self.p2p, target, forward_handler(self.run_id), header, tensors,
+                    self.p2p, target, forward_handler(self.run_id), header, wire,
                     timeout=deadline, max_payload_bytes=self.max_payload_bytes,
                 )
                 self._record_answer(target, self.clock() - started)
-                return self._answered(target, header, tensors, answer)
+                return self._answered(target, header, wire, self._decoded(target, header, tensors[0], answer))
             except (PeerUnavailableError, RemoteError) as e:
                 self.num_failures += 1
                 if isinstance(e.__cause__, TimeoutError):

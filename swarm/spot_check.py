@@ -166,7 +166,7 @@ class SpotChecker:
 
     async def _check(self, request: dict, tensors: list[torch.Tensor], first: Answer, others: list[str]) -> None:
         mb_id = request["mb_id"]
-        shape = (*tensors[1].shape, FINGERPRINT_DIMS)  # the targets: (batch, seq)
+        shape = (*tensors[-1].shape, FINGERPRINT_DIMS)  # the targets (batch, seq): last, after the encoded activations
         second = await self._recompute(request, tensors, others, shape)
         if second is None:
             self._report(mb_id, "skipped", [first.peer_id], reason="no other replica answered a check")

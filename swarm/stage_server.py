@@ -39,6 +39,7 @@ from dht.reputation import Reputation
 from dht.rpc import REFUSAL_LOG, REQUEST_OUTCOMES, Declined, forward_handler, send_reply, serve_request
 from dht.wire import ProtocolError, require_tensor
 from swarm.admission import NOT_MEMBER, Admission
+from swarm.boundary_codec import boundary_codec
 from swarm.links import LinkMeter
 from swarm.model import activation_dtype
 from swarm.router import Router
@@ -83,6 +84,7 @@ class StageServer:
         self.reputation = reputation
         self.admission = admission  # None: anybody not banned may push work (tests of the handler alone)
         self.links = links if links is not None else LinkMeter()  # a sender's activations: alive, and its goodput
+        self.codec = boundary_codec(stage.spec.boundary_codec)  # how activations arrive and gradients leave
         self.num_refused = 0
         self.num_checks_served = 0  # spot-check recomputes answered (swarm/spot_check.py)
         self._local_ids = itertools.count()
@@ -217,16 +219,15 @@ class StageServer:
         return {**reply, "queue": ahead}, reply_tensors
 
     def _check_forward_tensors(self, tensors: list[torch.Tensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        spec, stage = self.stage.spec, self.stage
-        if len(tensors) != 2:
-            raise ProtocolError(f"a forward request carries 2 tensors (activations, targets), got {len(tensors)}")
-        activations = require_tensor(tensors, 0, dtype=activation_dtype(spec), shape=stage.input_shape(batch_size), name="activations")
-        targets = require_tensor(tensors, 1, dtype=torch.int64, shape=(batch_size, spec.model.seq_len), name="targets")
+        spec, stage, n = self.stage.spec, self.stage, self.codec.num_wire_tensors
+        if len(tensors) != n + 1:
+            raise ProtocolError(f"a forward request carries {n + 1} tensors (activations as the run's "
+                                f"{self.codec.name} boundary codec sends them, targets), got {len(tensors)}")
+        targets = require_tensor(tensors, n, dtype=torch.int64, shape=(batch_size, spec.model.seq_len), name="targets")
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= spec.model.vocab_size):
             raise ProtocolError("targets hold token ids outside the vocabulary")
-        if not torch.isfinite(activations).all():
-            raise ProtocolError("activations hold NaN or Inf")
-        return activations, targets
+        activations = self.codec.decode(tensors[:n], shape=stage.input_shape(batch_size), dtype=activation_dtype(spec))
+        return activations, targets  # decoded: finite, of the spec's shape and dtype
 
     async def _compute(
         self, mb_id: str, route: list, path: list[str] | None, batch_size: int,
@@ -245,8 +246,8 @@ class StageServer:
             if count:
                 self.on_microbatch({"mb_id": mb_id, "loss": loss, "route": route, "samples": batch_size})
             if fingerprint:
-                return {"ok": True, "loss": loss, "route": route, "weights": tag}, [grad, prints]
-            return {"ok": True, "loss": loss, "route": route}, [grad]
+                return {"ok": True, "loss": loss, "route": route, "weights": tag}, [*self.codec.encode(grad), prints]
+            return {"ok": True, "loss": loss, "route": route}, self.codec.encode(grad)
         local_id = f"{mb_id}#{next(self._local_ids)}"
         outputs, prints, tag = await stage.forward_fingerprinted(local_id, activations, batch=batch)
         try:
@@ -263,8 +264,8 @@ class StageServer:
         grad = await stage.backward(local_id, grad_outputs, accumulate=count)
         self._counted(mb_id, batch_size, count)
         if fingerprint:
-            return {"ok": True, "loss": reply.get("loss"), "route": reply_route, "weights": tag}, [grad, prints]
-        return {"ok": True, "loss": reply.get("loss"), "route": reply_route}, [grad]
+            return {"ok": True, "loss": reply.get("loss"), "route": reply_route, "weights": tag}, [*self.codec.encode(grad), prints]
+        return {"ok": True, "loss": reply.get("loss"), "route": reply_route}, self.codec.encode(grad)
 
     async def _evaluate(self, mb_id: str, route: list, batch_size: int, activations: torch.Tensor,
                         targets: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:

@@ -6,6 +6,8 @@ twice."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import random
 
 import pytest
@@ -15,6 +17,7 @@ from dht.records import ModelSpec, PeerRecord, RunSpec
 from dht.registry import declare_peer
 from dht.reputation import Reputation
 from peer.faults import ALLOW_ENV, inject_wrong_outputs
+from swarm.boundary_codec import boundary_codec
 from swarm.data import TokenSampler, load_corpus
 from swarm.router import Router
 from swarm.spot_check import SpotChecker
@@ -31,21 +34,21 @@ MAX_PAYLOAD = 1 << 24
 pytestmark = pytest.mark.timeout(120)
 
 
-async def serve_stage1(dht, validator, *, faulty: bool) -> tuple[Stage, StageServer, str]:
+async def serve_stage1(dht, validator, *, faulty: bool, spec: RunSpec = SPEC) -> tuple[Stage, StageServer, str]:
     p2p = await dht.replicate_p2p()
     peer_id = dht.peer_id.to_base58()
-    stage = Stage(SPEC, 1, device=CPU)
+    stage = Stage(spec, 1, device=CPU)
     if faulty:
         inject_wrong_outputs(stage)
     server = StageServer(p2p, stage, peer_id=peer_id, router=None, request_timeout=10, max_payload_bytes=MAX_PAYLOAD,
                          ledger=MicrobatchLedger())
     await server.start()
     record = PeerRecord(peer_id=peer_id, role="reliable", state="training", stage=1, flops=1e9)
-    assert await declare_peer(dht, validator, SPEC.run_id, record, ttl=120)
+    assert await declare_peer(dht, validator, spec.run_id, record, ttl=120)
     return stage, server, peer_id
 
 
-async def stage0(dht, reputation: Reputation, events: list[dict]) -> tuple[Trainer, SpotChecker]:
+async def stage0(dht, reputation: Reputation, events: list[dict], *, spec: RunSpec = SPEC) -> tuple[Trainer, SpotChecker]:
     p2p = await dht.replicate_p2p()
     view = SwarmView(dht, SPEC.run_id)
     await view.refresh()
@@ -53,9 +56,10 @@ async def stage0(dht, reputation: Reputation, events: list[dict]) -> tuple[Train
                           max_payload_bytes=MAX_PAYLOAD, reputation=reputation,
                           on_event=lambda event, **fields: events.append({"event": event, **fields}))
     router = Router(p2p, view, run_id=SPEC.run_id, next_stage=1, next_stage_flops=1.0, request_timeout=10,
-                    max_payload_bytes=MAX_PAYLOAD, rng=random.Random(0), reputation=reputation, spot_checker=checker)
+                    max_payload_bytes=MAX_PAYLOAD, rng=random.Random(0), reputation=reputation, spot_checker=checker,
+                    codec=boundary_codec(spec.boundary_codec))
     sampler = TokenSampler(load_corpus(SPEC.dataset).text(), seq_len=SPEC.model.seq_len, seed=3)
-    trainer = Trainer(Stage(SPEC, 0, device=CPU), sampler, router, peer_id=dht.peer_id.to_base58(), max_in_flight=1)
+    trainer = Trainer(Stage(spec, 0, device=CPU), sampler, router, peer_id=dht.peer_id.to_base58(), max_in_flight=1)
     return trainer, checker
 
 
@@ -130,5 +134,27 @@ def test_a_third_replica_arbitrates_and_the_wrong_one_is_banned(dht_nodes, monke
         assert reputation.banned() == [faulty_id] and reputation.num_bans == 1
         assert checker.num_checks["mismatch"] == 3 and checker.num_checks["match"] == len(checks) - 3
         assert_counted_once(stages, num_microbatches)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dht_nodes", [3], indirect=True)
+def test_under_the_int8_codec_honest_replicas_match_exactly(dht_nodes):
+    """The check sends the second replica the very wire tensors the first got: both decode them to the
+    same inputs, so honest replicas' fingerprints agree bit for bit, as without a codec."""
+    (dht0, _), (dht1, v1), (dht2, v2) = dht_nodes
+    spec = dataclasses.replace(SPEC, boundary_codec="int8")
+
+    async def main():
+        stages = [(await serve_stage1(dht, validator, faulty=False, spec=spec))[0] for dht, validator in ((dht1, v1), (dht2, v2))]
+        reputation, events = Reputation(max_strikes=3), []
+        trainer, checker = await stage0(dht0, reputation, events, spec=spec)
+        losses = [await trainer.run_microbatch() for _ in range(4)]
+        await checker.wait_checks_done()
+        checks = [e for e in events if e["event"] == "spot_check"]
+        assert [e["outcome"] for e in checks] == ["match"] * 4, checks
+        assert all(e["strict"] and e["distance"] == 0.0 for e in checks), checks
+        assert all(math.isfinite(loss) for loss in losses) and reputation.num_bans == 0
+        assert_counted_once(stages, 4)
 
     asyncio.run(main())
