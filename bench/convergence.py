@@ -1,6 +1,6 @@
 """Sample for sample, does the swarm learn what one process learns? Held-out loss at fixed sample counts.
 
-    python bench/convergence.py [--modes single,pipeline,replicas,swarm,swarm_churn] [--marks 10000,20000,30000,50000]
+    python bench/convergence.py [--modes single,pipeline,replicas,swarm,swarm_churn,swarm_int8] [--marks 10000,20000,30000,50000]
                                 [--eval-every 1024] [--eval-sequences 256] [--max-seconds 1200]
                                 [--bootstrap-args "--pipeline-schedule delayed"] [--plot docs/convergence.png]
 
@@ -15,6 +15,9 @@ Every mode trains the default run spec (GPT d_model 128, 4 layers, seq_len 64, b
 * swarm_churn: the same swarm under the churn benchmark's seeded trace (bench/convergence_churn.py):
             a crash, a graceful leave or a rejoin every 30 s (``--churn-period``), 3 to 5 peers, no
             stage emptied. The trace runs on wall time, so a faster run sees fewer events per sample.
+* swarm_<codec> (swarm_bf16, swarm_fp16, swarm_int8): the swarm with ``--boundary-codec <codec>``:
+            activations and their gradients cross the stage boundary compressed (swarm/boundary_codec.py,
+            docs/compression.md).
 
 Peers run with one torch thread each and evaluate the held-out set themselves (``--eval-every``
 samples of their own stage 0, an ``eval`` event in their metrics file). Every mode evaluates the same
@@ -30,7 +33,13 @@ every stage-0 microbatch event written by then, summed over peers. For each mode
 * ``loss``: mean training loss of the microbatches in the 2,000 samples before the mark (the last
   stage's microbatches, ordered by time, counted cumulatively);
 * ``loss_gap_vs_single``: (val_loss − single's) / single's;
-* ``tokens_per_s``: stage-0 tokens over the wall time from the first to the last stage-0 microbatch.
+* ``tokens_per_s``: stage-0 tokens over the wall time from the first to the last stage-0 microbatch;
+* ``compression_ratio`` (modes with a stage boundary): float32 bytes over the codec's bytes on the
+  wire for one microbatch's activations (and, the same shape, their gradients), computed exactly
+  from the codec (``BoundaryCodec.wire_bytes``, which the unit tests check against the tensors it
+  sends) for the default spec's fp32 activations (16 × 64 × 128); message headers (~100 bytes)
+  and targets (8 KiB of int64 token ids, which travel with the activations in every mode) are left out;
+* ``loss_gap_vs_uncompressed`` (swarm_<codec>): (val_loss − swarm's) / swarm's, at the same mark.
 
 Prints one JSON line per mode and mark, then a markdown table for BENCHMARKS.md with the command,
 date, load average and nproc. Logs and metrics files stay under ``--workdir``.
@@ -66,11 +75,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.convergence_churn import PERIOD as CHURN_PERIOD, ChurnDriver  # noqa: E402
+from dht.records import BOUNDARY_CODECS, RunSpec  # noqa: E402
 from peer.harness.local_swarm import LocalSwarm, wait_for  # noqa: E402  (needs ROOT on sys.path when run as a script)
 
+CODEC_MODES = {f"swarm_{codec}": codec for codec in BOUNDARY_CODECS if codec != "none"}  # mode -> --boundary-codec
 MODES: dict[str, tuple[int, int]] = {"pipeline": (2, 2), "replicas": (1, 2), "swarm": (2, 4),  # (stages, peers)
-                                     "swarm_churn": (2, 4)}
+                                     "swarm_churn": (2, 4), **{mode: (2, 4) for mode in CODEC_MODES}}
 ALL_MODES = ("single", *MODES)
+DEFAULT_MODES = tuple(m for m in ALL_MODES if m not in CODEC_MODES)  # the codec modes run when asked for
 WINDOW_SAMPLES = 2000  # training loss at a mark: the mean over this many samples before it
 SMOOTHING = 50  # microbatches in the plotted training loss's moving average
 POLL_PERIOD = 5.0  # seconds between reads of the peers' metrics files
@@ -179,20 +191,40 @@ def is_run_done(microbatches: Sequence[Mapping[str, Any]], evals: Sequence[Mappi
     return any(p >= target for p in positions)
 
 
-def result_rows(curves: Sequence[Curve], marks: Sequence[int]) -> list[dict[str, Any]]:
-    """One JSON-ready row per mode and mark; gaps against the ``single`` curve if there is one."""
+def result_rows(curves: Sequence[Curve], marks: Sequence[int], *,
+                ratios: Mapping[str, float | None] | None = None) -> list[dict[str, Any]]:
+    """One JSON-ready row per mode and mark; gaps against the ``single`` curve if there is one, and
+    a codec mode's against the uncompressed ``swarm`` curve; ``ratios``: mode -> compression ratio."""
     single = next((c for c in curves if c.mode == "single"), None)
+    swarm = next((c for c in curves if c.mode == "swarm"), None)
     rows = []
     for curve in curves:
         for mark in marks:
             val_loss = interpolate(curve.eval_samples, curve.val_losses, mark)
             reference = interpolate(single.eval_samples, single.val_losses, mark) if single else None
-            rows.append({"bench": "convergence", "mode": curve.mode, "samples": mark,
-                         "loss": _rounded(window_mean(curve.loss_samples, curve.losses, end=mark), 4),
-                         "val_loss": _rounded(val_loss, 4),
-                         "loss_gap_vs_single": _rounded(relative_gap(val_loss, reference), 4),
-                         "tokens_per_s": _rounded(curve.tokens_per_s, 1), "wall_s": round(curve.wall_s, 1)})
+            uncompressed = interpolate(swarm.eval_samples, swarm.val_losses, mark) if swarm else None
+            row = {"bench": "convergence", "mode": curve.mode, "samples": mark,
+                   "loss": _rounded(window_mean(curve.loss_samples, curve.losses, end=mark), 4),
+                   "val_loss": _rounded(val_loss, 4),
+                   "loss_gap_vs_single": _rounded(relative_gap(val_loss, reference), 4),
+                   "tokens_per_s": _rounded(curve.tokens_per_s, 1), "wall_s": round(curve.wall_s, 1),
+                   "compression_ratio": _rounded((ratios or {}).get(curve.mode), 2)}
+            if curve.mode in CODEC_MODES:
+                row["loss_gap_vs_uncompressed"] = _rounded(relative_gap(val_loss, uncompressed), 4)
+            rows.append(row)
     return rows
+
+
+def boundary_ratio(mode: str) -> float | None:
+    """float32 bytes over wire bytes per microbatch at the mode's stage boundary (None: no boundary),
+    exactly, from the codec, for the default spec's fp32 activations."""
+    if mode == "single" or MODES[mode][0] < 2:
+        return None
+    from swarm.boundary_codec import boundary_codec, compression_ratio
+
+    spec = RunSpec(run_id="bench")
+    shape = (spec.microbatch_size, spec.model.seq_len, spec.model.d_model)
+    return compression_ratio(boundary_codec(CODEC_MODES.get(mode, "none")), shape)
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -205,6 +237,9 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(f"| {mark:,} | " + " | ".join(_format_cell(cell[m, mark]) for m in modes) + " |")
     speeds = [next(r["tokens_per_s"] for r in rows if r["mode"] == m) for m in modes]
     lines.append("| tokens/s | " + " | ".join("—" if s is None else f"{s:,.0f}" for s in speeds) + " |")
+    ratios = [next(r.get("compression_ratio") for r in rows if r["mode"] == m) for m in modes]
+    if any(ratio is not None for ratio in ratios):
+        lines.append("| bytes ÷ fp32 | " + " | ".join("—" if x is None else f"1/{x:.2f}" for x in ratios) + " |")
     return "\n".join(lines)
 
 
@@ -298,8 +333,9 @@ def run_swarm_mode(mode: str, settings: SwarmSettings, workdir: Path, *,
     flags = ("--num-threads", "1", "--eval-every", str(settings.eval_every), "--eval-sequences", str(settings.eval_sequences))
     with LocalSwarm(workdir / mode) as swarm:
         try:
+            codec = ("--boundary-codec", CODEC_MODES[mode]) if mode in CODEC_MODES else ()
             swarm.start_bootstrap("--num-stages", str(num_stages), "--averaging-period", "10",
-                                  *settings.bootstrap_args)
+                                  *settings.bootstrap_args, *codec)
             for _ in range(num_peers):
                 swarm.start_peer(*flags)
                 time.sleep(1.0)  # staggered, as in the demo
@@ -396,7 +432,8 @@ def machine_line(argv: Sequence[str], load_start: tuple[float, ...], load_end: t
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated, of {', '.join(ALL_MODES)} (default: {','.join(DEFAULT_MODES)})")
     parser.add_argument("--marks", default="10000,20000,30000,50000", help="sample counts to report at")
     parser.add_argument("--eval-every", type=int, default=1024, help="samples between evaluations (default 1024)")
     parser.add_argument("--eval-sequences", type=int, default=256, help="held-out sequences (default 256)")
@@ -444,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (TimeoutError, RuntimeError) as e:
             print(f"{mode} failed: {e}", file=sys.stderr)
             failed.append(mode)
-    rows = result_rows(curves, args.marks)
+    rows = result_rows(curves, args.marks, ratios={curve.mode: boundary_ratio(curve.mode) for curve in curves})
     for row in rows:
         print(json.dumps(row))
     if args.plot is not None and curves:
@@ -452,7 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(markdown_table(rows) if rows else "(no mode finished)")
     print()
-    print("val_loss: held-out loss (nats/token) at the swarm's sample count; (gap): relative to single.")
+    print("val_loss: held-out loss (nats/token) at the swarm's sample count; (gap): relative to single; "
+          "bytes ÷ fp32: a microbatch's activations (or gradients) on the wire.")
     print(machine_line(sys.argv if argv is None else ["bench/convergence.py", *argv], load_start, os.getloadavg()))
     return 1 if failed else 0
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from bench.convergence import (
-    Curve, cumulative_samples_at, curve_from_events, interpolate, is_run_done, markdown_table, merge_points,
-    relative_gap, result_rows, throughput, train_single, window_mean,
+    CODEC_MODES, DEFAULT_MODES, MODES, Curve, boundary_ratio, cumulative_samples_at, curve_from_events, interpolate,
+    is_run_done, markdown_table, merge_points, relative_gap, result_rows, throughput, train_single, window_mean,
 )
 
 T0 = 1_000.0  # the peers' unix times start here
@@ -132,6 +132,19 @@ def test_rows_report_every_mode_and_mark_with_the_gap_against_single():
 def test_without_single_there_is_no_gap():
     rows = result_rows([curve("replicas", [5.0, 3.0, 2.0])], [8000])
     assert rows[0]["val_loss"] == 3.0 and rows[0]["loss_gap_vs_single"] is None
+
+
+def test_codec_modes_report_their_compression_and_the_gap_against_the_uncompressed_swarm():
+    curves = [curve("swarm", [5.0, 3.0, 2.0]), curve("swarm_int8", [5.0, 3.3, 2.4]), curve("replicas", [5.0, 3.0, 2.0])]
+    ratios = {"swarm": boundary_ratio("swarm"), "swarm_int8": boundary_ratio("swarm_int8"), "replicas": boundary_ratio("replicas")}
+    rows = {r["mode"]: r for r in result_rows(curves, [8000], ratios=ratios)}
+    assert rows["swarm_int8"]["compression_ratio"] == 3.76  # 4 x 64 / 68
+    assert rows["swarm"]["compression_ratio"] == 1.0 and rows["replicas"]["compression_ratio"] is None  # no boundary
+    assert rows["swarm_int8"]["loss_gap_vs_uncompressed"] == pytest.approx(0.1)
+    assert "loss_gap_vs_uncompressed" not in rows["swarm"] and "loss_gap_vs_uncompressed" not in rows["replicas"]
+    assert result_rows(curves[1:2], [8000])[0]["loss_gap_vs_uncompressed"] is None  # no swarm run to compare with
+    assert markdown_table(list(rows.values())).splitlines()[-1] == "| bytes ÷ fp32 | 1/1.00 | 1/3.76 | — |"
+    assert {"swarm_bf16", "swarm_fp16", "swarm_int8"} <= set(MODES) and not set(CODEC_MODES) & set(DEFAULT_MODES)
 
 
 def test_the_table_has_a_row_per_mark_a_column_per_mode_and_the_gap_in_each_cell():
