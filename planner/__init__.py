@@ -17,8 +17,9 @@ The package holds two kinds of planner, one per place:
   - ``claims``: bounds on the figures peers claim about themselves (FLOP/s, samples/s, backup
     versions) by the other peers' figures, so one liar cannot steer those decisions;
   - ``replanning``: re-splitting the layers over the stages left after a stage is lost (seed 001 §3.4);
-  - ``layer_split``, ``assembly``, ``costs``, ``plan``, ``snapshot``: what ``replanning`` builds on
-    (the seed 000 cost model, the bottleneck DP over layer boundaries, ``Plan`` and ``SwarmSnapshot``).
+  - ``layer_split``, ``assembly``, ``costs``, ``plan``, ``snapshot``, ``runtime``: what ``replanning``
+    builds on (the cost model that the offline planners and the simulator share, the bottleneck DP
+    over layer boundaries, ``Plan``, ``SwarmSnapshot`` and the runtime's settings it carries).
 
 * ``planner/offline/``: the seed planners, the literature's planners and the simulator that
   ``bench/`` and the tests evaluate offline. The live peer imports none of them

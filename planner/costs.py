@@ -1,42 +1,59 @@
-"""Cost models of seed 000 (Eq. 1–3) with seed 001's memory footprint (Eq. 3).
+"""The cost model of a plan, shared by every planner here and by the simulator (issue #18).
 
 Notation (seed 000 §3.1.3): a stage k holds layers [a, b) with ``F_k`` FLOPs per sample, a
 micro-batch has ``m`` samples, device i computes ``c_i`` FLOP/s, ``alpha`` is latency (s) and
-``beta`` bandwidth (B/s) between two devices, ``t_l`` the activation bytes per sample after layer l.
+``beta`` bandwidth (B/s) between two devices, ``t_l`` the activation bytes per sample after layer l,
+``r`` the runtime's boundary compression ratio (``RuntimeSettings``).
 
 Data-parallel stage time (seed 000 Eq. 1). The micro-batch is split into shares ``w_i`` over the
 stage's servers S and clients U. A server computes only; a client also receives its input from
 and returns its output to the servers, forward and backward::
 
-    T_i(w_i) = w_i F_k / c_i                                                   (i in S)
-    T_i(w_i) = 4 alpha_iS + w_i (F_k / c_i + 2 (t_{a-1} + t_{b-1}) / beta_iS)    (i in U)
+    T_i(w_i) = w_i F_k / c_i                                                     (i in S)
+    T_i(w_i) = 4 alpha_iS + w_i (F_k / c_i + 2 r (t_{a-1} + t_{b-1}) / beta_iS)    (i in U)
     DT_k = min over shares with sum w_i = m and w_i <= cap_i of max_{w_i > 0} T_i(w_i)
 
-where ``alpha_iS`` and ``1 / beta_iS`` are means over the stage's servers (seed 000 §3.3.3
-"average delay" ``mean_j alpha_ij + t / beta_ij``) and ``cap_i`` is the memory cap below. The min-max is solved exactly by water-filling
-(the continuous form of seed 001 Alg. 1 phase 1: balance by capacity, clamp at memory budgets).
+where ``alpha_iS`` and ``1 / beta_iS`` are means over the stage's servers. The min-max is solved
+exactly by water-filling (seed 001 Alg. 1 phase 1: balance by capacity, clamp at memory budgets).
+With whole micro-batches routed to the earliest finisher (the runtime), ``1 / DT_k`` is the
+stage's service rate in micro-batches per second.
 
-Memory (seed 001 Eq. 3, 1F1B with ``min(K - k, d)`` micro-batches in flight)::
+Memory (seed 001 Eq. 3 with the runtime's window). The runtime keeps ``W = max_in_flight x |S_0|``
+micro-batches in the pipeline, and all of them can queue at one stage (the bottleneck does)::
 
-    M_i = W_k (1 + o) + min(K - k, d) w_i A_k,   A_k = sum_{l in [a, b)} t_l
+    M_i = W_k (1 + o) + W w_i A_k,   A_k = sum_{l in [a, b)} t_l
 
-A server whose ``W_k (1 + o)`` exceeds its memory makes the stage infeasible; a client that
-cannot hold the weights gets ``cap_i = 0``.
+A member (server or client) that cannot hold ``W_k (1 + o)`` makes the plan unfit; the shares are
+capped by the rest. ``is_within_memory`` is the check the planner and the simulator both apply: a
+plan that does not fit is worth 0.
 
-Pipeline time (seed 000 Eq. 2), with the link k -> k+1 between the servers of both stages,
-segmented over ``n = min(|S_k|, |S_{k+1}|)`` parallel streams (seed 000 §3.2); ``alpha`` and
-``1 / beta`` are means over the server pairs (forward: S_k to S_{k+1}; backward: the reverse)::
+Links. Activations k -> k+1 and gradients k+1 -> k travel on two FIFO resources (one per
+direction), each split over ``n = min(|S_k|, |S_{k+1}|)`` parallel streams; means of ``1 / beta``
+over the server pairs. Averaging (below) takes a share ``u_k`` of stage k's links::
 
-    PT = d max_k (DT_k + alpha_kf + m t_{b-1} / (n beta_kf) + alpha_kb + m t_{b-1} / (n beta_kb))
+    L_k = r m t_{b-1} max(mean 1/beta_f, mean 1/beta_b) / (n (1 - u_k))
 
-Averaging (not in seed 000's model). Eq. 1 drops parameter aggregation because delayed parameter
-updates overlap it with training; it can overlap at most one step, so a step lasts at least the
-averaging time of every stage. Parameter-server averaging ships ``W_k / |S_k|`` from every member
-to each server and back, so ``AT_k = 2 W_k max_i mean_{j in S_k} 1 / beta_ij`` and each stage
-term of Eq. 2 becomes ``max(DT_k + link_k, AT_k / d)``.
+Averaging. A round ships ``W_k / |S|`` from every member to each server and back:
+``AT_k = 2 W_k max_i mean_{j in S_k} 1 / beta_ij``. With a period ``P > 0`` (the runtime: rounds in
+the background, only optimizer steps pause) the round takes ``u_k = min(AT_k / P, 1/2)`` of the
+stage's links (a flow gets at least half of a shared link). A round longer than its period holds
+the stage's optimizer for the excess, which we charge as blocking time once per step: a floor of
+``max(0, AT_k - P) / d`` per micro-batch. With ``P = 0`` (seed 000: every step, blocking) that is
+seed 000's floor ``AT_k / d``: a step lasts at least the round.
 
-Throughput is ``d m / PT`` samples per second. Seed 000 Eq. 3 approximates ``DT_k`` by
-``m sum_l F_l / (p sum_i c_i)`` when ``p`` clusters share the work evenly.
+Throughput. The stage terms are resources working in parallel, so the pipeline's service time per
+micro-batch is their maximum; the window bounds it by Little's law with the round trip ``R`` of
+one micro-batch (its time on a mean server of every stage, both latencies and both transfers of
+every link)::
+
+    term_k = max(DT_k, L_k, floor_k)
+    R = sum_k (m F_k / mean_{i in S_k} c_i) + sum_k (alpha_kf + alpha_kb + L_k^f + L_k^b)
+    throughput = m / max(max_k term_k, R / W)     samples per second; 0 when the plan does not fit
+
+Seed 000 Eq. 2 adds the link to the stage delay and charges both directions in one term; the
+simulator (``offline/simulator``) runs them as separate resources, and so does this model now.
+Seed 000 Eq. 3 approximates ``DT_k`` by ``m sum_l F_l / (p sum_i c_i)`` when ``p`` clusters share
+the work evenly (``approximate_pipeline_delay``, used by the clustering's stop rule).
 """
 
 from __future__ import annotations
@@ -46,7 +63,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.plan import Plan
+from planner.runtime import RuntimeSettings
 from planner.snapshot import ModelProfile, SwarmSnapshot
+
+MAX_AVERAGING_SHARE = 0.5  # a flow gets at least half of a link it shares with another
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -59,7 +79,7 @@ class StageGroup:
         flops: FLOP/s of servers then clients.
         memory_bytes: memory of servers then clients.
         offset_delays: fixed per-micro-batch delay of each device (0 for servers, 4 alpha_iS).
-        inverse_bandwidths: 2 / beta_iS per device (0 for servers).
+        inverse_bandwidths: 2 r / beta_iS per device (0 for servers), compression included.
         averaging_per_byte: seconds per parameter byte of one averaging round,
             ``2 max_i mean_{j in S} 1 / beta_ij`` over members i (0 for a lone device).
     """
@@ -93,7 +113,8 @@ def profile_group(snapshot: SwarmSnapshot, servers: np.ndarray, clients: np.ndar
         alpha = (latency[np.ix_(clients, servers)] + latency[np.ix_(servers, clients)].T) / 2
         per_byte = (1.0 / bandwidth[np.ix_(clients, servers)] + 1.0 / bandwidth[np.ix_(servers, clients)].T) / 2
         offsets[servers.size:] = 4.0 * alpha.mean(axis=1)
-        inverse[servers.size:] = 2.0 * per_byte.mean(axis=1)
+        ratio = snapshot.runtime.boundary_compression_ratio
+        inverse[servers.size:] = 2.0 * ratio * per_byte.mean(axis=1)
     averaging = 0.0
     if members.size > 1:
         averaging = 2.0 * float((1.0 / snapshot.links.bandwidth[np.ix_(members, servers)]).mean(axis=1).max())
@@ -198,7 +219,8 @@ def estimate_stage_delay(
     if activation_bytes > 0:
         caps = free_bytes / (max(num_inflight, 1) * activation_bytes)
     else:
-        caps = np.where(group.memory_bytes >= weight_bytes, np.inf, 0.0)
+        caps = np.full(group.flops.size, np.inf)
+    caps = np.where(group.memory_bytes >= weight_bytes, caps, 0.0)
     boundary_bytes = model.layer_activation_bytes[layer_end - 1]
     if layer_start > 0:
         boundary_bytes += model.layer_activation_bytes[layer_start - 1]
@@ -207,58 +229,140 @@ def estimate_stage_delay(
     return fill_workload(group.offset_delays, per_sample, caps, model.microbatch_size)
 
 
-def estimate_averaging_floor(model: ModelProfile, group: StageGroup, layer_start: int, layer_end: int) -> float:
-    """Averaging time of the stage per micro-batch, ``W_k * averaging_per_byte / d`` (see module doc)."""
-    weight_bytes = sum(model.layer_param_bytes[layer_start:layer_end])
-    return weight_bytes * group.averaging_per_byte / model.num_microbatches
-
-
-def estimate_link_delay(
-    snapshot: SwarmSnapshot, senders: np.ndarray, receivers: np.ndarray, num_bytes: float
+def estimate_averaging_floor(
+    model: ModelProfile, group: StageGroup, layer_start: int, layer_end: int, *, runtime: RuntimeSettings
 ) -> float:
-    """Seed 000 Eq. 2 link term: forward activations and backward gradients of one micro-batch."""
+    """Blocking averaging per micro-batch, ``max(0, AT_k - P) / d`` (module doc)."""
+    weight_bytes = sum(model.layer_param_bytes[layer_start:layer_end])
+    return max(0.0, weight_bytes * group.averaging_per_byte - runtime.averaging_period) / model.num_microbatches
+
+
+def estimate_averaging_share(
+    model: ModelProfile, group: StageGroup, layer_start: int, layer_end: int, *, runtime: RuntimeSettings
+) -> float:
+    """Share ``u_k`` of the stage's links that background averaging takes (module doc)."""
+    if runtime.averaging_period <= 0:
+        return 0.0
+    weight_bytes = sum(model.layer_param_bytes[layer_start:layer_end])
+    return min(weight_bytes * group.averaging_per_byte / runtime.averaging_period, MAX_AVERAGING_SHARE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkTerms:
+    """The link between two server groups, per byte of a layer's output as profiled.
+
+    Attributes:
+        round_trip_latency: ``mean alpha_f + mean alpha_b`` in seconds.
+        forward_per_byte: ``r mean(1 / beta_f) / n`` seconds per byte.
+        backward_per_byte: ``r mean(1 / beta_b) / n`` seconds per byte.
+    """
+
+    round_trip_latency: float
+    forward_per_byte: float
+    backward_per_byte: float
+
+    @property
+    def bottleneck_per_byte(self) -> float:
+        """The slower direction: the two directions are separate resources."""
+        return max(self.forward_per_byte, self.backward_per_byte)
+
+
+def estimate_link_terms(snapshot: SwarmSnapshot, senders: np.ndarray, receivers: np.ndarray) -> LinkTerms:
+    """``LinkTerms`` of the link from server group ``senders`` to ``receivers`` (module doc)."""
     latency = snapshot.links.latency_delay
     bandwidth = snapshot.links.bandwidth
-    num_streams = min(senders.size, receivers.size)
-    forward = latency[np.ix_(senders, receivers)].mean()
-    forward += num_bytes / num_streams * (1.0 / bandwidth[np.ix_(senders, receivers)]).mean()
-    backward = latency[np.ix_(receivers, senders)].mean()
-    backward += num_bytes / num_streams * (1.0 / bandwidth[np.ix_(receivers, senders)]).mean()
-    return float(forward + backward)
+    scale = snapshot.runtime.boundary_compression_ratio / min(senders.size, receivers.size)
+    forward, backward = np.ix_(senders, receivers), np.ix_(receivers, senders)
+    return LinkTerms(
+        round_trip_latency=float(latency[forward].mean() + latency[backward].mean()),
+        forward_per_byte=float((1.0 / bandwidth[forward]).mean()) * scale,
+        backward_per_byte=float((1.0 / bandwidth[backward]).mean()) * scale,
+    )
 
 
-def count_inflight(stage_index: int, num_stages: int, num_microbatches: int) -> int:
-    """Micro-batches whose activations a 1F1B stage holds at once (seed 001 §3.2)."""
-    return max(1, min(num_stages - stage_index, num_microbatches))
+def count_inflight(runtime: RuntimeSettings, num_first_servers: int) -> int:
+    """Micro-batches in the pipeline at once, ``W``: each stage-0 server keeps its own window."""
+    return runtime.max_in_flight_per_peer * max(num_first_servers, 1)
 
 
-def estimate_stage_costs(snapshot: SwarmSnapshot, plan: Plan) -> np.ndarray:
-    """Per-stage term of seed 000 Eq. 2: ``DT_k`` plus the link to the next stage, in seconds."""
-    model = snapshot.model
-    groups = [
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PlanCosts:
+    """The cost model's figures of one plan (module doc), in seconds per micro-batch.
+
+    Attributes:
+        stage_terms: ``term_k`` per stage.
+        round_trip: ``R``.
+        window: ``W``.
+        is_within_memory: False when a member cannot hold its stage.
+    """
+
+    stage_terms: np.ndarray
+    round_trip: float
+    window: int
+    is_within_memory: bool
+
+    @property
+    def seconds_per_microbatch(self) -> float:
+        """``max(max_k term_k, R / W)``; inf when the plan does not fit."""
+        if not self.is_within_memory:
+            return float("inf")
+        return max(float(self.stage_terms.max()), self.round_trip / self.window)
+
+
+def plan_groups_of(snapshot: SwarmSnapshot, plan: Plan) -> list[StageGroup]:
+    """The ``StageGroup`` of every stage of ``plan``."""
+    return [
         profile_group(snapshot, snapshot.indices_of(s.server_ids), snapshot.indices_of(s.client_ids))
         for s in plan.stages
     ]
-    costs = np.zeros(plan.num_stages)
+
+
+def estimate_plan_costs(snapshot: SwarmSnapshot, plan: Plan) -> PlanCosts:
+    """Every figure of the cost model for ``plan`` (module doc)."""
+    model, runtime = snapshot.model, snapshot.runtime
+    groups = plan_groups_of(snapshot, plan)
+    window = count_inflight(runtime, groups[0].num_servers)
+    terms = np.zeros(plan.num_stages)
+    round_trip = 0.0
+    fits = True
     for k, (stage, group) in enumerate(zip(plan.stages, groups)):
-        inflight = count_inflight(k, plan.num_stages, model.num_microbatches)
-        costs[k], _ = estimate_stage_delay(
-            model, group, stage.layer_start, stage.layer_end, num_inflight=inflight
-        )
+        a, b = stage.layer_start, stage.layer_end
+        weight_bytes = sum(model.layer_param_bytes[a:b]) * (1.0 + model.optimizer_bytes_per_param_byte)
+        fits &= bool(np.all(group.memory_bytes >= weight_bytes))
+        delay, _ = estimate_stage_delay(model, group, a, b, num_inflight=window)
+        terms[k] = max(delay, estimate_averaging_floor(model, group, a, b, runtime=runtime))
+        round_trip += model.microbatch_size * sum(model.layer_flops[a:b]) / float(group.flops[: group.num_servers].mean())
         if k + 1 < plan.num_stages:
-            num_bytes = model.microbatch_size * model.layer_activation_bytes[stage.layer_end - 1]
-            costs[k] += estimate_link_delay(snapshot, group.servers, groups[k + 1].servers, num_bytes)
-        costs[k] = max(costs[k], estimate_averaging_floor(model, group, stage.layer_start, stage.layer_end))
-    return costs
+            link = estimate_link_terms(snapshot, group.servers, groups[k + 1].servers)
+            slowdown = 1.0 / (1.0 - estimate_averaging_share(model, group, a, b, runtime=runtime))
+            num_bytes = model.microbatch_size * model.layer_activation_bytes[b - 1] * slowdown
+            terms[k] = max(terms[k], link.bottleneck_per_byte * num_bytes)
+            round_trip += link.round_trip_latency + (link.forward_per_byte + link.backward_per_byte) * num_bytes
+    fits &= bool(np.all(np.isfinite(terms)))
+    return PlanCosts(stage_terms=terms, round_trip=round_trip, window=window, is_within_memory=fits)
+
+
+def estimate_stage_costs(snapshot: SwarmSnapshot, plan: Plan) -> np.ndarray:
+    """Per-stage ``term_k`` in seconds (inf where a stage does not fit)."""
+    return estimate_plan_costs(snapshot, plan).stage_terms
+
+
+def is_within_memory(snapshot: SwarmSnapshot, plan: Plan) -> bool:
+    """True when every member holds its stage's weights and optimizer state, and every stage the
+    window's activations (module doc): the one memory check of the planner and the simulator."""
+    plan.check_fits(snapshot)
+    return estimate_plan_costs(snapshot, plan).is_within_memory
 
 
 def estimate_throughput(snapshot: SwarmSnapshot, plan: Plan) -> float:
-    """Samples per second of ``plan`` under seed 000 Eq. 2: ``d m / PT``; 0 when infeasible."""
+    """Samples per second of ``plan`` under the cost model (module doc); 0 when it does not fit."""
     plan.check_fits(snapshot)
-    bottleneck = float(estimate_stage_costs(snapshot, plan).max())
-    if not np.isfinite(bottleneck) or bottleneck <= 0:
-        return 0.0 if not np.isfinite(bottleneck) else float("inf")
-    return snapshot.model.microbatch_size / bottleneck
+    seconds = estimate_plan_costs(snapshot, plan).seconds_per_microbatch
+    if not np.isfinite(seconds):
+        return 0.0
+    if seconds <= 0:
+        return float("inf")
+    return snapshot.model.microbatch_size / seconds
 
 
 def approximate_pipeline_delay(

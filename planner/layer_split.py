@@ -2,8 +2,9 @@
 
 Seed 000 §3.3.3 gives each partition layers "based on its total computational power"; we solve
 that step exactly instead: with the groups fixed, choose boundaries ``0 = b_0 < b_1 < ... < b_K = L``
-minimising ``max_k cost_k(b_{k-1}, b_k)`` where ``cost_k`` is the per-stage term of seed 000 Eq. 2
-(``planner.costs``). Bottleneck dynamic programming, O(K L^2) cost evaluations::
+minimising ``max_k cost_k(b_{k-1}, b_k)`` where ``cost_k`` is the per-stage term ``term_k`` of
+the cost model (``planner.costs``). The window bound ``R / W`` is a sum over stages, not a
+maximum, so the DP leaves it out; callers score the split it returns with the whole model. Bottleneck dynamic programming, O(K L^2) cost evaluations::
 
     best[k][b] = min_{a < b} max(best[k-1][a], cost_k(a, b))
 
@@ -15,19 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.costs import StageGroup, count_inflight, fill_workloads
+from planner.costs import MAX_AVERAGING_SHARE, StageGroup, count_inflight, estimate_link_terms, fill_workloads
+from planner.runtime import RuntimeSettings
 from planner.snapshot import ModelProfile, SwarmSnapshot
-
-
-def build_link_terms(snapshot: SwarmSnapshot, senders: np.ndarray, receivers: np.ndarray) -> tuple[float, float]:
-    """Link k -> k+1 of seed 000 Eq. 2 as ``(alpha_f + alpha_b, 1/(n beta_f) + 1/(n beta_b))``."""
-    latency = snapshot.links.latency_delay
-    bandwidth = snapshot.links.bandwidth
-    num_streams = min(senders.size, receivers.size)
-    forward, backward = np.ix_(senders, receivers), np.ix_(receivers, senders)
-    fixed = float(latency[forward].mean() + latency[backward].mean())
-    per_byte = float((1.0 / bandwidth[forward]).mean() + (1.0 / bandwidth[backward]).mean()) / num_streams
-    return fixed, per_byte
 
 
 def compute_range_delays(
@@ -57,25 +48,44 @@ def compute_range_delays(
 
 
 def build_cost_matrix(
-    model: ModelProfile, group: StageGroup, *, num_inflight: int, link_terms: tuple[float, float] | None
+    model: ModelProfile, group: StageGroup, *, num_inflight: int, link_per_byte: float | None,
+    runtime: RuntimeSettings,
 ) -> np.ndarray:
-    """``cost[a, b]`` = stage delay of layers [a, b) plus the outgoing link; inf where a >= b."""
+    """``cost[a, b]`` = ``term_k`` of layers [a, b) with the outgoing link; inf where a >= b.
+
+    ``link_per_byte`` is ``LinkTerms.bottleneck_per_byte`` of the outgoing link (None: last stage).
+    """
     num_layers = model.num_layers
     a, b = np.triu_indices(num_layers + 1, k=1)
     cost = np.full((num_layers + 1, num_layers + 1), np.inf)
     cost[a, b] = compute_range_delays(model, group, a, b, num_inflight=num_inflight)
-    if link_terms is not None:
-        fixed, per_byte = link_terms
-        outputs = np.asarray((0.0,) + model.layer_activation_bytes)
-        cost += fixed + per_byte * model.microbatch_size * outputs[None, :]
-    return np.maximum(cost, build_floor_matrix(model, group))
+    if link_per_byte is not None:
+        cost = np.maximum(cost, build_link_matrix(model, group, link_per_byte, runtime=runtime))
+    return np.maximum(cost, build_floor_matrix(model, group, runtime=runtime))
 
 
-def build_floor_matrix(model: ModelProfile, group: StageGroup) -> np.ndarray:
-    """``floor[a, b]`` = averaging time per micro-batch of layers [a, b) (``costs`` module doc)."""
+def build_link_matrix(
+    model: ModelProfile, group: StageGroup, link_per_byte: float, *, runtime: RuntimeSettings
+) -> np.ndarray:
+    """``L_k`` for every range [a, b): the outgoing transfer slowed by the averaging share."""
+    outputs = np.asarray((0.0,) + model.layer_activation_bytes)
+    share = np.zeros((model.num_layers + 1, model.num_layers + 1))
+    if runtime.averaging_period > 0:
+        share = _range_param_bytes(model) * group.averaging_per_byte / runtime.averaging_period
+    slowdown = 1.0 / (1.0 - np.minimum(share, MAX_AVERAGING_SHARE))
+    return link_per_byte * model.microbatch_size * outputs[None, :] * slowdown
+
+
+def build_floor_matrix(model: ModelProfile, group: StageGroup, *, runtime: RuntimeSettings) -> np.ndarray:
+    """``floor[a, b]`` = blocking averaging per micro-batch of layers [a, b) (``costs`` module doc)."""
+    excess = _range_param_bytes(model) * group.averaging_per_byte - runtime.averaging_period
+    return np.maximum(excess, 0.0) / model.num_microbatches
+
+
+def _range_param_bytes(model: ModelProfile) -> np.ndarray:
+    """``P[a, b]`` = parameter bytes of layers [a, b) (0 where a >= b)."""
     prefix_params = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes)])
-    floor = prefix_params[None, :] - prefix_params[:, None]
-    return np.maximum(floor, 0.0) * group.averaging_per_byte / model.num_microbatches
+    return np.maximum(prefix_params[None, :] - prefix_params[:, None], 0.0)
 
 
 def split_by_matrices(costs: list[np.ndarray]) -> tuple[tuple[int, ...], float]:
@@ -108,11 +118,11 @@ def split_by_matrices(costs: list[np.ndarray]) -> tuple[tuple[int, ...], float]:
 def split_layers(snapshot: SwarmSnapshot, groups: list[StageGroup]) -> tuple[tuple[int, ...], float]:
     """Optimal contiguous layer split for ``groups`` in pipeline order; see ``split_by_matrices``."""
     model = snapshot.model
+    inflight = count_inflight(snapshot.runtime, groups[0].num_servers)
     costs = []
     for k, group in enumerate(groups):
         link = None
         if k + 1 < len(groups):
-            link = build_link_terms(snapshot, group.servers, groups[k + 1].servers)
-        inflight = count_inflight(k, len(groups), model.num_microbatches)
-        costs.append(build_cost_matrix(model, group, num_inflight=inflight, link_terms=link))
+            link = estimate_link_terms(snapshot, group.servers, groups[k + 1].servers).bottleneck_per_byte
+        costs.append(build_cost_matrix(model, group, num_inflight=inflight, link_per_byte=link, runtime=snapshot.runtime))
     return split_by_matrices(costs)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner.runtime import RuntimeSettings
+
 
 @dataclass(frozen=True, kw_only=True)
 class Device:
@@ -143,11 +145,14 @@ class SwarmSnapshot:
         devices: the devices, sorted by ``peer_id`` in ``__post_init__``.
         links: link matrices permuted to the sorted device order.
         model: the model profile.
+        runtime: the runtime's settings (in-flight window, boundary compression, averaging
+            period); part of the snapshot because they change what a plan is worth.
     """
 
     devices: tuple[Device, ...]
     links: LinkMatrix
     model: ModelProfile
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     index_by_peer_id: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,10 +1,11 @@
-"""Scores arrangements (ordered server groups with their clients) under seed 000 Eq. 2.
+"""Scores arrangements (ordered server groups with their clients) under the cost model (``costs``).
 
 An arrangement fixes which devices serve and work for each stage, in pipeline order; its cost is
-the bottleneck stage term of the best layer split (``layer_split``). Search procedures score
-thousands of arrangements that share most groups, so the stage delay matrix of each distinct
-``(servers, clients, in-flight count)`` and the link terms of each distinct server pair are
-computed once and memoised.
+seconds per micro-batch of the best layer split (``layer_split``, exact for the bottleneck term),
+with the window bound ``R / W`` of that split applied on top, exactly as ``estimate_throughput``
+scores the resulting plan. Search procedures score thousands of arrangements that share most
+groups, so the stage delay matrix of each distinct ``(servers, clients, window)`` and the link
+terms of each distinct server pair are computed once and memoised.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from planner.assembly import assemble_plan, build_edge_delays, typical_transfer_bytes
-from planner.costs import count_inflight, profile_group
+from planner.costs import (
+    LinkTerms, StageGroup, count_inflight, estimate_averaging_share, estimate_link_terms, profile_group,
+)
 from planner.layer_split import (
-    build_cost_matrix, build_floor_matrix, build_link_terms, compute_range_delays, split_by_matrices,
+    build_cost_matrix, build_floor_matrix, build_link_matrix, compute_range_delays, split_by_matrices,
 )
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
@@ -33,8 +36,6 @@ class ArrangementScorer:
         self._ranges: dict[tuple, float] = {}
         self._floors: dict[tuple, np.ndarray] = {}
         self._edges: np.ndarray | None = None
-        model = snapshot.model
-        self._out_bytes = model.microbatch_size * np.asarray((0.0,) + model.layer_activation_bytes)
 
     @property
     def edges(self) -> np.ndarray:
@@ -48,42 +49,42 @@ class ArrangementScorer:
         key = (servers, clients, inflight)
         matrix = self._delays.get(key)
         if matrix is None:
-            group = profile_group(
-                self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64)
+            matrix = build_cost_matrix(
+                self.snapshot.model, self._group(servers, clients), num_inflight=inflight, link_per_byte=None,
+                runtime=self.snapshot.runtime,
             )
-            matrix = build_cost_matrix(self.snapshot.model, group, num_inflight=inflight, link_terms=None)
             self._delays[key] = matrix
         return matrix
 
+    def _group(self, servers: tuple[int, ...], clients: tuple[int, ...]) -> StageGroup:
+        return profile_group(self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64))
+
     def floor_matrix(self, servers: tuple[int, ...], clients: tuple[int, ...]) -> np.ndarray:
-        """Averaging floor ``AT[a, b] / d`` of the group (``costs`` module doc)."""
+        """Blocking averaging floor ``AT[a, b] / d`` of the group (``costs`` module doc)."""
         key = (servers, clients)
         floor = self._floors.get(key)
         if floor is None:
-            group = profile_group(
-                self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64)
-            )
-            floor = build_floor_matrix(self.snapshot.model, group)
+            floor = build_floor_matrix(self.snapshot.model, self._group(servers, clients), runtime=self.snapshot.runtime)
             self._floors[key] = floor
         return floor
 
-    def link_terms(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
-        """``(alpha_f + alpha_b, per-byte seconds)`` of the link between two server groups."""
-        return build_link_terms(
+    def link_terms(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> LinkTerms:
+        """``LinkTerms`` of the link between two server groups."""
+        return estimate_link_terms(
             self.snapshot, np.array(senders, dtype=np.int64), np.array(receivers, dtype=np.int64)
         )
 
-    def link_row(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> np.ndarray:
-        """Link delay to the next stage for every stage end ``b`` (broadcast over ``a``)."""
-        key = (senders, receivers)
-        row = self._links.get(key)
-        if row is None:
-            fixed, per_byte = build_link_terms(
-                self.snapshot, np.array(senders, dtype=np.int64), np.array(receivers, dtype=np.int64)
+    def link_matrix(self, group: tuple[tuple[int, ...], tuple[int, ...]], receivers: tuple[int, ...]) -> np.ndarray:
+        """``L_k[a, b]``: the outgoing link of stage ``group`` (servers, clients) for every range."""
+        key = (group, receivers)
+        matrix = self._links.get(key)
+        if matrix is None:
+            per_byte = self.link_terms(group[0], receivers).bottleneck_per_byte
+            matrix = build_link_matrix(
+                self.snapshot.model, self._group(*group), per_byte, runtime=self.snapshot.runtime
             )
-            row = (fixed + per_byte * self._out_bytes)[None, :]
-            self._links[key] = row
-        return row
+            self._links[key] = matrix
+        return matrix
 
     def range_delay(
         self, servers: tuple[int, ...], clients: tuple[int, ...], inflight: int, start: int, end: int
@@ -104,15 +105,17 @@ class ArrangementScorer:
             self._ranges[key] = delay
         return delay
 
+    def window(self, arrangement: Arrangement) -> int:
+        """``W`` of the arrangement: the runtime's window times its stage-0 servers."""
+        return count_inflight(self.snapshot.runtime, len(arrangement[0][0]))
+
     def stage_cost(self, arrangement: Arrangement, bounds: tuple[int, ...], k: int) -> float:
-        """Cost of stage k (delay plus outgoing link) with the layer boundaries held fixed."""
-        num_stages = len(arrangement)
+        """``term_k`` (delay, outgoing link, floor) with the layer boundaries held fixed."""
         servers, clients = arrangement[k]
-        inflight = count_inflight(k, num_stages, self.snapshot.model.num_microbatches)
         start = bounds[k - 1] if k > 0 else 0
-        cost = self.range_delay(servers, clients, inflight, start, bounds[k])
-        if k + 1 < num_stages:
-            cost += float(self.link_row(servers, arrangement[k + 1][0])[0, bounds[k]])
+        cost = self.range_delay(servers, clients, self.window(arrangement), start, bounds[k])
+        if k + 1 < len(arrangement):
+            cost = max(cost, float(self.link_matrix(arrangement[k], arrangement[k + 1][0])[start, bounds[k]]))
         return max(cost, float(self.floor_matrix(servers, clients)[start, bounds[k]]))
 
     def score_with_bounds(
@@ -125,7 +128,7 @@ class ArrangementScorer:
         whose members, or whose successor's servers, differ from it are recomputed.
         """
         num_stages = len(arrangement)
-        if base is None or len(base[0]) != num_stages:
+        if base is None or len(base[0]) != num_stages or len(base[0][0][0]) != len(arrangement[0][0]):
             return max(self.stage_cost(arrangement, bounds, k) for k in range(num_stages))
         previous, costs = base
         worst = 0.0
@@ -136,23 +139,47 @@ class ArrangementScorer:
         return worst
 
     def stage_matrices(self, arrangement: Arrangement) -> list[np.ndarray]:
-        """Per-stage cost matrices (stage delay plus outgoing link) of ``arrangement``."""
+        """Per-stage ``term_k`` matrices (delay, outgoing link, floor) of ``arrangement``."""
         num_stages = len(arrangement)
+        inflight = self.window(arrangement)
         matrices = []
         for k, (servers, clients) in enumerate(arrangement):
-            inflight = count_inflight(k, num_stages, self.snapshot.model.num_microbatches)
             matrix = self.stage_matrix(servers, clients, inflight)
             if k + 1 < num_stages:
-                matrix = matrix + self.link_row(servers, arrangement[k + 1][0])
+                matrix = np.maximum(matrix, self.link_matrix(arrangement[k], arrangement[k + 1][0]))
             matrices.append(np.maximum(matrix, self.floor_matrix(servers, clients)))
         return matrices
 
     def score(self, arrangement: Arrangement) -> tuple[tuple[int, ...], float]:
-        """(layer boundaries, bottleneck seconds) of the best layer split; inf when infeasible."""
+        """(layer boundaries, seconds per micro-batch) of the best layer split; inf when infeasible.
+
+        The split minimises the bottleneck term; the window bound ``R / W`` of that split is then
+        applied, so the cost is what ``estimate_throughput`` gives the plan.
+        """
         self.num_evaluations += 1
         if len(arrangement) > self.snapshot.model.num_layers:
             return (), float("inf")
-        return split_by_matrices(self.stage_matrices(arrangement))
+        bounds, cost = split_by_matrices(self.stage_matrices(arrangement))
+        if not np.isfinite(cost):
+            return bounds, cost
+        return bounds, max(cost, self.round_trip(arrangement, bounds) / self.window(arrangement))
+
+    def round_trip(self, arrangement: Arrangement, bounds: tuple[int, ...]) -> float:
+        """``R`` of the cost model for fixed boundaries (``costs`` module doc)."""
+        model, flops = self.snapshot.model, self.snapshot.flops
+        seconds, start = 0.0, 0
+        for k, (servers, clients) in enumerate(arrangement):
+            end = bounds[k]
+            seconds += model.microbatch_size * sum(model.layer_flops[start:end]) / float(flops[list(servers)].mean())
+            if k + 1 < len(arrangement):
+                link = self.link_terms(servers, arrangement[k + 1][0])
+                share = estimate_averaging_share(
+                    model, self._group(servers, clients), start, end, runtime=self.snapshot.runtime
+                )
+                num_bytes = model.microbatch_size * model.layer_activation_bytes[end - 1] / (1.0 - share)
+                seconds += link.round_trip_latency + (link.forward_per_byte + link.backward_per_byte) * num_bytes
+            start = end
+        return seconds
 
     def stage_costs(self, arrangement: Arrangement, bounds: tuple[int, ...]) -> np.ndarray:
         """Per-stage cost for fixed layer boundaries."""
@@ -161,6 +188,17 @@ class ArrangementScorer:
         return np.array([m[a, b] for m, a, b in zip(matrices, starts, bounds)])
 
     def to_plan(self, arrangement: Arrangement, bounds: tuple[int, ...]) -> Plan:
-        """The Plan of an arrangement and its boundaries."""
-        groups = [(np.array(s, dtype=np.int64), np.array(c, dtype=np.int64)) for s, c in arrangement]
+        """The Plan of an arrangement and its boundaries.
+
+        A client that cannot hold its stage's weights gets no work in the cost model (its cap is
+        0) and would make the plan unfit (``costs.is_within_memory``), so it is left idle here.
+        """
+        model, memory = self.snapshot.model, self.snapshot.memory_bytes
+        factor = 1.0 + model.optimizer_bytes_per_param_byte
+        starts = (0,) + tuple(bounds[:-1])
+        groups = [
+            (np.array(s, dtype=np.int64),
+             np.array([c for c in clients if memory[c] >= sum(model.layer_param_bytes[a:b]) * factor], dtype=np.int64))
+            for (s, clients), a, b in zip(arrangement, starts, bounds)
+        ]
         return assemble_plan(self.snapshot, groups, bounds, edges=self.edges)

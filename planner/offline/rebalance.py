@@ -30,7 +30,8 @@ import numpy as np
 
 from planner.assembly import plan_groups
 from planner.costs import (
-    StageGroup, count_inflight, estimate_averaging_floor, estimate_stage_delay, profile_group,
+    StageGroup, count_inflight, estimate_averaging_floor, estimate_averaging_share, estimate_stage_delay,
+    profile_group,
 )
 from planner.offline.evaluation import Arrangement, ArrangementScorer
 from planner.offline.refinement import list_moves
@@ -136,9 +137,9 @@ def prepare_join(snapshot: SwarmSnapshot, plan: Plan) -> JoinContext:
     model = snapshot.model
     for k, (servers, clients) in enumerate(arrangement):
         link_delay, link_sums = 0.0, (0.0, 0.0, 0.0, 0.0)
+        start, end = plan.stages[k].layer_start, plan.stages[k].layer_end
         if k + 1 < len(arrangement):
-            fixed, link_per_byte = scorer.link_terms(servers, arrangement[k + 1][0])
-            link_delay = fixed + link_per_byte * model.microbatch_size * model.layer_activation_bytes[bounds[k] - 1]
+            link_delay = float(scorer.link_matrix(arrangement[k], arrangement[k + 1][0])[start, end])
             forward, backward = np.ix_(servers, arrangement[k + 1][0]), np.ix_(arrangement[k + 1][0], servers)
             link_sums = (
                 float(latency[forward].sum()), float(per_byte[forward].sum()),
@@ -147,14 +148,11 @@ def prepare_join(snapshot: SwarmSnapshot, plan: Plan) -> JoinContext:
         s, c = np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64)
         members = np.concatenate([s, c])
         group = profile_group(snapshot, s, c)
-        inflight = count_inflight(k, plan.num_stages, snapshot.model.num_microbatches)
-        start, end = plan.stages[k].layer_start, plan.stages[k].layer_end
+        inflight = count_inflight(snapshot.runtime, len(arrangement[0][0]))
         sums.append(_StageSums(
             link_sums=link_sums, delay=estimate_stage_delay(model, group, start, end, num_inflight=inflight)[0],
-            floor=estimate_averaging_floor(model, group, start, end),
-            group=group, layer_start=plan.stages[k].layer_start,
-            layer_end=plan.stages[k].layer_end,
-            num_inflight=count_inflight(k, plan.num_stages, snapshot.model.num_microbatches),
+            floor=estimate_averaging_floor(model, group, start, end, runtime=snapshot.runtime),
+            group=group, layer_start=start, layer_end=end, num_inflight=inflight,
             client_latency_sums=((latency[np.ix_(c, s)] + latency[np.ix_(s, c)].T) / 2).sum(axis=1),
             client_per_byte_sums=((per_byte[np.ix_(c, s)] + per_byte[np.ix_(s, c)].T) / 2).sum(axis=1),
             member_averaging_sums=per_byte[np.ix_(members, s)].sum(axis=1), link_delay=float(link_delay),
@@ -181,6 +179,7 @@ def _joined_group(context: JoinContext, k: int, joiner: int) -> StageGroup:
     s, c = group.servers, group.clients
     per_byte = _InverseBandwidth(bandwidth)
     num_servers = s.size
+    ratio = snapshot.runtime.boundary_compression_ratio
     if snapshot.devices[joiner].is_reliable:
         latency_sums = sums.client_latency_sums + (latency[c, joiner] + latency[joiner, c]) / 2
         per_byte_sums = sums.client_per_byte_sums + (per_byte[c, joiner] + per_byte[joiner, c]) / 2
@@ -189,7 +188,7 @@ def _joined_group(context: JoinContext, k: int, joiner: int) -> StageGroup:
         servers, clients = np.append(s, joiner), c
         count = num_servers + 1
         offsets = np.concatenate([np.zeros(count), 4.0 * latency_sums / count])
-        inverse = np.concatenate([np.zeros(count), 2.0 * per_byte_sums / count])
+        inverse = np.concatenate([np.zeros(count), 2.0 * ratio * per_byte_sums / count])
     else:
         own_latency = ((latency[joiner, s] + latency[s, joiner]) / 2).sum()
         own_per_byte = ((per_byte[joiner, s] + per_byte[s, joiner]) / 2).sum()
@@ -197,7 +196,7 @@ def _joined_group(context: JoinContext, k: int, joiner: int) -> StageGroup:
         servers, clients = s, np.append(c, joiner)
         count = num_servers
         offsets = np.append(group.offset_delays, 4.0 * own_latency / count)
-        inverse = np.append(group.inverse_bandwidths, 2.0 * own_per_byte / count)
+        inverse = np.append(group.inverse_bandwidths, 2.0 * ratio * own_per_byte / count)
     members = np.concatenate([servers, clients])
     return StageGroup(
         servers=servers, clients=clients, flops=snapshot.flops[members],
@@ -206,23 +205,27 @@ def _joined_group(context: JoinContext, k: int, joiner: int) -> StageGroup:
     )
 
 
-def _joined_link(context: JoinContext, k: int, joiner: int, *, is_sender: bool) -> float:
-    """Link term k -> k+1 when the reliable ``joiner`` joins stage k (sender) or k+1 (receiver)."""
+def _joined_link(context: JoinContext, k: int, joiner: int, *, is_sender: bool, group: StageGroup) -> float:
+    """Link term ``L_k`` when the reliable ``joiner`` joins stage k (sender) or k+1 (receiver).
+
+    ``group`` is stage k's group as it will be (its averaging share slows the link).
+    """
     snapshot, sums = context.snapshot, context.sums[k]
-    latency, per_byte = snapshot.links.latency_delay, _InverseBandwidth(snapshot.links.bandwidth)
+    per_byte = _InverseBandwidth(snapshot.links.bandwidth)
     senders, receivers = sums.group.servers, context.sums[k + 1].group.servers
     other = receivers if is_sender else senders
     out_index, in_index = (joiner, other) if is_sender else (other, joiner)
-    lat_f, pb_f, lat_b, pb_b = sums.link_sums
-    lat_f += latency[out_index, in_index].sum()
+    _, pb_f, _, pb_b = sums.link_sums
     pb_f += per_byte[out_index, in_index].sum()
-    lat_b += latency[in_index, out_index].sum()
     pb_b += per_byte[in_index, out_index].sum()
     num_senders = senders.size + (1 if is_sender else 0)
     num_receivers = receivers.size + (0 if is_sender else 1)
     pairs = num_senders * num_receivers
-    num_bytes = snapshot.model.microbatch_size * snapshot.model.layer_activation_bytes[sums.layer_end - 1]
-    return (lat_f + lat_b) / pairs + (pb_f + pb_b) / pairs / min(num_senders, num_receivers) * num_bytes
+    model = snapshot.model
+    share = estimate_averaging_share(model, group, sums.layer_start, sums.layer_end, runtime=snapshot.runtime)
+    num_bytes = model.microbatch_size * model.layer_activation_bytes[sums.layer_end - 1] / (1.0 - share)
+    per_byte = max(pb_f, pb_b) / pairs / min(num_senders, num_receivers) * snapshot.runtime.boundary_compression_ratio
+    return per_byte * num_bytes
 
 
 def choose_join_stage(context: JoinContext, peer_id: str) -> int:
@@ -239,14 +242,22 @@ def choose_join_stage(context: JoinContext, peer_id: str) -> int:
     for k, sums in enumerate(context.sums):
         group = _joined_group(context, k, joiner)
         delay, _ = estimate_stage_delay(model, group, sums.layer_start, sums.layer_end, num_inflight=sums.num_inflight)
-        link = sums.link_delay
-        if is_reliable and k + 1 < num_stages:
-            link = _joined_link(context, k, joiner, is_sender=True)
+        link = 0.0
+        if k + 1 < num_stages and is_reliable:
+            link = _joined_link(context, k, joiner, is_sender=True, group=group)
+        elif k + 1 < num_stages:  # a client: same servers, but it joins the averaging
+            old, new = (
+                estimate_averaging_share(model, g, sums.layer_start, sums.layer_end, runtime=snapshot.runtime)
+                for g in (sums.group, group)
+            )
+            link = sums.link_delay * (1.0 - old) / (1.0 - new)
         costs = context.stage_costs.copy()
-        costs[k] = max(delay + link, estimate_averaging_floor(model, group, sums.layer_start, sums.layer_end))
+        floor = estimate_averaging_floor(model, group, sums.layer_start, sums.layer_end, runtime=snapshot.runtime)
+        costs[k] = max(delay, link, floor)
         if is_reliable and k > 0:
             previous = context.sums[k - 1]
-            costs[k - 1] = max(previous.delay + _joined_link(context, k - 1, joiner, is_sender=False), previous.floor)
+            joined = _joined_link(context, k - 1, joiner, is_sender=False, group=previous.group)
+            costs[k - 1] = max(previous.delay, joined, previous.floor)
         key = (float(costs.max()), float(per_byte[sums.group.servers].mean()), k)
         if best_key is None or key < best_key:
             best_key, best_stage = key, k

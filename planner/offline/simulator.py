@@ -37,6 +37,14 @@ Runtime variants (``SimulationConfig``; the defaults are the seed's model above)
   Churn needs the draining model (a device is back at the next step) and is refused here.
 
 ``SimulationConfig.murmuration`` sets all four, as ``bench/simulator_check.py`` uses it.
+
+One cost model with ``planner.costs`` (issue #18): the simulator takes its link figures
+(``estimate_link_terms``: means over all servers of both stages, parallel streams, the boundary
+codec's compression), the averaging share of the links and the memory check
+(``is_within_memory``: a plan that does not fit simulates to throughput 0) from there, and with
+whole micro-batches the window is the runtime's (``RuntimeSettings.max_in_flight_per_peer`` per
+stage-0 server) unless ``max_inflight`` overrides it. The router of the runtime sends a micro-batch
+to any replica of the next stage, so frontal/backward roles do not restrict the links here.
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costs import fill_workload
+from planner.costs import (
+    estimate_averaging_share, estimate_link_terms, fill_workload, is_within_memory, profile_group,
+)
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
 
@@ -63,9 +73,11 @@ class SimulationConfig:
         disconnect_probability: chance that an unreliable device drops during a step.
         failure_detect_delay: seconds before a vanished device's work is noticed.
         is_task_pool: True re-queues lost chunks (seed 000); False restarts the micro-batch (SWARM).
-        is_averaging: include the per-stage averaging time.
+        is_averaging: include averaging: its share of the stage's links and, per step, the part
+            of a round beyond the snapshot's averaging period (all of it when the period is 0,
+            seed 000's runtime), as ``costs`` models it.
         is_whole_microbatch: route each micro-batch whole to one member per stage; ``max_inflight``
-            then counts per stage-0 member (0 means 4).
+            then counts per stage-0 server (0: the snapshot's ``RuntimeSettings.max_in_flight_per_peer``).
         is_fifo: run each device's tasks in arrival order rather than backward first.
         is_fused_last_stage: the last stage's forward and backward are one task.
         is_draining: the pipeline drains at every step; False for delayed updates (no drain,
@@ -100,9 +112,12 @@ class SimulationConfig:
             raise ValueError("is_draining=False needs num_steps >= 2 and no churn")
 
     @classmethod
-    def murmuration(cls, *, num_steps: int, max_inflight_per_peer: int = 4,
+    def murmuration(cls, *, num_steps: int, max_inflight_per_peer: int = 0,
                     message_overhead_flops: float = 0.0) -> SimulationConfig:
-        """Murmuration's runtime: whole micro-batches, FIFO compute, fused last stage, no drain."""
+        """Murmuration's runtime: whole micro-batches, FIFO compute, fused last stage, no drain.
+
+        ``max_inflight_per_peer`` 0 takes the window from the snapshot's ``RuntimeSettings``.
+        """
         return cls(
             num_steps=num_steps, max_inflight=max_inflight_per_peer, is_whole_microbatch=True, is_fifo=True,
             is_fused_last_stage=True, is_draining=False, message_overhead_flops=message_overhead_flops,
@@ -114,7 +129,7 @@ class SimulationResult:
     """Outcome of a simulation.
 
     Attributes:
-        throughput: samples per second over all steps.
+        throughput: samples per second over all steps; 0 when the plan does not fit in memory.
         step_delays: seconds per step.
         num_lost_chunks: chunks lost to disconnections.
         num_restarts: micro-batches restarted from stage 0 (no task pool).
@@ -127,6 +142,7 @@ class SimulationResult:
     num_lost_chunks: int
     num_restarts: int
     wasted_seconds: float = 0.0
+    is_within_memory: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -145,12 +161,13 @@ class _StageModel:
 def _build_stage_models(snapshot: SwarmSnapshot, plan: Plan) -> list[_StageModel]:
     model = snapshot.model
     latency, bandwidth = snapshot.links.latency_delay, 1.0 / snapshot.links.bandwidth
+    ratio = snapshot.runtime.boundary_compression_ratio
     stages = []
     for stage in plan.stages:
         servers = snapshot.indices_of(stage.server_ids)
         members = np.concatenate([servers, snapshot.indices_of(stage.client_ids)])
         alpha = latency[np.ix_(members, servers)].mean(axis=1)
-        per_byte = bandwidth[np.ix_(members, servers)].mean(axis=1)
+        per_byte = bandwidth[np.ix_(members, servers)].mean(axis=1) * ratio
         alpha[: servers.size], per_byte[: servers.size] = 0.0, 0.0
         weight_bytes = sum(model.layer_param_bytes[stage.layer_start:stage.layer_end])
         # Each member ships W / |S| to each of |S| servers and gets as much back: 2 W mean(1/beta).
@@ -167,17 +184,27 @@ def _build_stage_models(snapshot: SwarmSnapshot, plan: Plan) -> list[_StageModel
     return stages
 
 
-def _build_links(snapshot: SwarmSnapshot, plan: Plan) -> list[tuple[float, float, float, float]]:
-    """Per boundary k -> k+1: (forward latency, forward seconds per byte, backward ..., ...)."""
-    latency, per_byte = snapshot.links.latency_delay, 1.0 / snapshot.links.bandwidth
+def _build_links(snapshot: SwarmSnapshot, plan: Plan, *, is_averaging: bool) -> list[tuple[float, float, float, float]]:
+    """Per boundary k -> k+1: (forward latency, forward seconds per byte, backward ..., ...).
+
+    ``costs.estimate_link_terms`` between all servers of both stages; background averaging of
+    stage k takes its share of the link (``costs.estimate_averaging_share``).
+    """
+    latency = snapshot.links.latency_delay
     links = []
     for left, right in zip(plan.stages[:-1], plan.stages[1:]):
-        senders, receivers = snapshot.indices_of(left.backward_ids), snapshot.indices_of(right.frontal_ids)
-        streams = min(senders.size, receivers.size)
+        senders, receivers = snapshot.indices_of(left.server_ids), snapshot.indices_of(right.server_ids)
+        terms = estimate_link_terms(snapshot, senders, receivers)
+        share = 0.0
+        if is_averaging:
+            group = profile_group(snapshot, senders, snapshot.indices_of(left.client_ids))
+            share = estimate_averaging_share(
+                snapshot.model, group, left.layer_start, left.layer_end, runtime=snapshot.runtime
+            )
         forward, backward = np.ix_(senders, receivers), np.ix_(receivers, senders)
         links.append((
-            float(latency[forward].mean()), float(per_byte[forward].mean()) / streams,
-            float(latency[backward].mean()), float(per_byte[backward].mean()) / streams,
+            float(latency[forward].mean()), terms.forward_per_byte / (1.0 - share),
+            float(latency[backward].mean()), terms.backward_per_byte / (1.0 - share),
         ))
     return links
 
@@ -194,6 +221,7 @@ class _StepRun:
     ) -> None:
         self.flops = snapshot.flops
         self.model = snapshot.model
+        self.runtime = snapshot.runtime
         self.stages, self.links, self.config, self.layer_ends = stages, links, config, layer_ends
         self.time, self.events, self.sequence = 0.0, [], 0
         devices = [int(i) for stage in stages for i in stage.members]
@@ -223,7 +251,7 @@ class _StepRun:
     def run(self, disconnects: list[tuple[float, int]]) -> float:
         """Runs to the last micro-batch; returns the time it finished, in seconds."""
         if self.config.is_whole_microbatch:
-            lanes = self.config.max_inflight or 4
+            lanes = self.config.max_inflight or self.runtime.max_in_flight_per_peer
             for _ in range(lanes):
                 for owner in self.stages[0].members[: self.stages[0].num_servers]:
                     self.inject(int(owner))
@@ -403,11 +431,15 @@ def simulate_plan(
     snapshot: SwarmSnapshot, plan: Plan, config: SimulationConfig, *, rng: np.random.Generator
 ) -> SimulationResult:
     """Simulates ``config.num_steps`` steps of ``plan`` on ``snapshot``; churn drawn from ``rng``."""
-    plan.check_fits(snapshot)
+    if not is_within_memory(snapshot, plan):  # also checks that the plan fits the snapshot
+        return SimulationResult(
+            throughput=0.0, step_delays=(), num_lost_chunks=0, num_restarts=0, is_within_memory=False
+        )
     stages = _build_stage_models(snapshot, plan)
-    links = _build_links(snapshot, plan)
+    links = _build_links(snapshot, plan, is_averaging=config.is_averaging)
     layer_ends = [s.layer_end for s in plan.stages]
-    averaging = max(s.averaging_delay for s in stages) if config.is_averaging else 0.0
+    period = snapshot.runtime.averaging_period  # a round holds the optimizer only past its period
+    averaging = max(max(s.averaging_delay - period, 0.0) for s in stages) if config.is_averaging else 0.0
     d = snapshot.model.num_microbatches
     if not config.is_draining:
         run = _StepRun(snapshot, stages, links, config, num_microbatches=d * config.num_steps, layer_ends=layer_ends)
