@@ -5,6 +5,10 @@ Nothing here runs in a live peer: ``peer/``, ``swarm/``, ``replication/``, ``dht
 They score plans with the same cost model as the live planner (``planner.costs``) and may import
 the live ``planner`` modules, never the other way round. docs/planner.md describes each of them.
 
+* ``global_plan``: the global plan of issue #18: seed 000's construction on the whole swarm and on
+  device pools (subsets that leave slow or badly linked devices idle), the baselines and the
+  literature's planners as candidates, scored by the cost model and checked in the simulator;
+  deterministic and invariant to renaming through ``canonical`` (a relabelling-free device order);
 * ``partition``: seed 000 §3.3.3's global plan (clustering → stage order → unreliable devices to
   the partition of least delay → layers → roles), followed by ``refinement``'s local search;
   ``clustering`` (divisive hierarchical clustering), ``ordering`` (stage order as an open TSP),

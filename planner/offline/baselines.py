@@ -9,6 +9,10 @@
 * ``plan_swarm`` — SWARM-style queue rebalancing: from the even plan, repeatedly move one peer
   from the stage with the most spare throughput to the stage with the least, while that raises
   the slowest stage's throughput; throughput here is compute only, as SWARM sees queues, not links.
+
+"Peer-id order" is the canonical order of ``planner.offline.canonical`` (issue #18): each baseline runs on
+the canonical snapshot and its plan is mapped back, so renaming peers renames the plan and
+nothing else, and every planner compares against the same baseline whatever the names.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.assembly import assemble_plan
+from planner.offline.canonical import plan_canonically
 from planner.costs import estimate_throughput
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
@@ -46,6 +51,10 @@ def _deal(snapshot: SwarmSnapshot, num_stages: int) -> Groups:
 
 def plan_even(snapshot: SwarmSnapshot) -> Plan:
     """GPipe even partition with the best stage count (see module docstring)."""
+    return plan_canonically(snapshot, _plan_even)
+
+
+def _plan_even(snapshot: SwarmSnapshot) -> Plan:
     num_reliable = len(snapshot.reliable_indices())
     if num_reliable == 0:
         raise ValueError("a plan needs at least one reliable device")
@@ -73,6 +82,10 @@ def count_min_stages(snapshot: SwarmSnapshot) -> int:
 
 def plan_petals(snapshot: SwarmSnapshot) -> Plan:
     """Petals' weakest-block choice over even stages (see module docstring)."""
+    return plan_canonically(snapshot, _plan_petals)
+
+
+def _plan_petals(snapshot: SwarmSnapshot) -> Plan:
     reliable = snapshot.reliable_indices()
     if not reliable:
         raise ValueError("a plan needs at least one reliable device")
@@ -91,6 +104,10 @@ def plan_petals(snapshot: SwarmSnapshot) -> Plan:
 
 def plan_swarm(snapshot: SwarmSnapshot, *, max_moves: int = 1000) -> Plan:
     """SWARM-style rebalancing from the even partition (see module docstring)."""
+    return plan_canonically(snapshot, lambda canonical: _plan_swarm(canonical, max_moves=max_moves))
+
+
+def _plan_swarm(snapshot: SwarmSnapshot, *, max_moves: int) -> Plan:
     reliable = snapshot.reliable_indices()
     if not reliable:
         raise ValueError("a plan needs at least one reliable device")

@@ -82,3 +82,40 @@ def build_case3_snapshot(rng: np.random.Generator, model: ModelProfile) -> Swarm
         for i in range(num_devices)
     )
     return SwarmSnapshot(devices=devices, links=LinkMatrix(latency_delay=latency, bandwidth=bandwidth), model=model)
+
+
+def build_clustered_snapshot(
+    rng: np.random.Generator, *, model: ModelProfile, num_clusters: int, cluster_size: int, num_edge: int,
+    inter_cluster_megabits: float = 1000.0, edge_megabits: float = 100.0,
+    cluster_memory_bytes: tuple[float, ...] = (32 * GIGABYTE,), edge_memory_bytes: tuple[float, float] = (8e9, 16e9),
+) -> SwarmSnapshot:
+    """Clusters of fast GPUs joined to each other and to edge devices by slower links (issue #18).
+
+    Inside a cluster: 10 Gbit/s and 0.5 ms, GPUs of 2-3x a V100, memory drawn from
+    ``cluster_memory_bytes``. Between clusters: ``inter_cluster_megabits`` and 10-40 ms. Edge
+    devices (0.2-0.6 V100, ``edge_memory_bytes``, two thirds reliable): ``edge_megabits`` and
+    20-60 ms to everything. Peer ids are random hex, unrelated to the structure.
+    """
+    num_fast = num_clusters * cluster_size
+    num_devices = num_fast + num_edge
+    site = np.array([i // cluster_size for i in range(num_fast)] + [num_clusters + i for i in range(num_edge)])
+    same = site[:, None] == site[None, :]
+    is_edge = site >= num_clusters
+    touches_edge = is_edge[:, None] | is_edge[None, :]
+    shape = (num_devices, num_devices)
+    latency = np.where(same, 0.0005, np.where(touches_edge, rng.uniform(0.02, 0.06, shape), rng.uniform(0.01, 0.04, shape)))
+    megabits = np.where(same, 10_000.0, np.where(touches_edge, edge_megabits, inter_cluster_megabits))
+    latency = (latency + latency.T) / 2
+    flops = np.where(is_edge, rng.uniform(0.2, 0.6, num_devices), rng.uniform(2.0, 3.0, num_devices)) * V100_FLOPS
+    memory = np.where(
+        is_edge, rng.uniform(*edge_memory_bytes, num_devices),
+        np.array(cluster_memory_bytes)[rng.integers(0, len(cluster_memory_bytes), num_devices)],
+    )
+    reliable = ~is_edge | (rng.random(num_devices) < 2 / 3)
+    ids = [f"{int(x):012x}" for x in rng.choice(2**46, size=num_devices, replace=False)]
+    devices = tuple(
+        Device(peer_id=ids[i], flops=float(flops[i]), memory_bytes=int(memory[i]), is_reliable=bool(reliable[i]))
+        for i in range(num_devices)
+    )
+    links = LinkMatrix(latency_delay=latency, bandwidth=megabits * MEGABIT)
+    return SwarmSnapshot(devices=devices, links=links, model=model)
