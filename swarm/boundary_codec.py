@@ -48,6 +48,7 @@ INT8_BLOCK = 64  # values per int8 block: one float32 scale per 64 bytes (6 % ov
 INT8_LEVELS = 127  # q in [-127, 127]: symmetric, so -x encodes as -q
 FP16_TOP_EXPONENT = 14  # fp16 scaling maps the largest |x| into [2**14, 2**15), far below fp16's 65504
 FP32_MIN_EXPONENT, FP32_MAX_EXPONENT = -126, 127  # the float32 scale stays a normal power of two
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_wire(wire: Sequence[torch.Tensor], expected: Sequence[tuple[torch.dtype, tuple[int, ...]]], name: str) -> None:
@@ -198,9 +199,14 @@ class Int8Codec(BoundaryCodec):
             raise ProtocolError(f"{name}'s scales must be finite and >= 0")
         if num_values and int(quantized.min()) < -INT8_LEVELS:
             raise ProtocolError(f"{name} holds -128, which the int8 codec never sends")
-        padded = torch.nn.functional.pad(quantized.float(), (0, num_blocks * INT8_BLOCK - num_values))
-        values = (padded.view(num_blocks, INT8_BLOCK) * scales.unsqueeze(1)).reshape(-1)[:num_values]
-        return _finite(values, f"{name} (scaled)").reshape(shape).to(dtype)
+        if num_blocks and float(scales.max()) * INT8_LEVELS > FP32_MAX:  # so every decoded value is finite
+            raise ProtocolError(f"{name} (scaled) holds NaN or Inf: a scale over float32's maximum / 127")
+        padding = num_blocks * INT8_BLOCK - num_values
+        values = quantized.to(dtype=torch.float32)
+        if padding:
+            values = torch.nn.functional.pad(values, (0, padding))
+        values = (values.view(num_blocks, INT8_BLOCK) * scales.unsqueeze(1)).view(-1)
+        return (values[:num_values] if padding else values).reshape(shape).to(dtype)
 
     def wire_bytes(self, shape, dtype=torch.float32):
         num_values = math.prod(shape)
