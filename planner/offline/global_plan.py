@@ -11,11 +11,11 @@ by index, so renaming peers changed it. This module wraps the seeds' planners so
   at least half / a quarter as fast as the fastest. Devices outside a pool stay idle.
 * **Nothing it implements beats it.** The baselines (``baselines``: even, Petals, SWARM) and the
   literature's planners (``asteroid``, ``spantrain``; up to ``max_literature_devices``) are
-  candidates too. Every candidate is scored with the one cost model (``costs``); a plan that does
-  not fit in memory scores 0. Up to ``max_simulated_devices`` the best candidates and every
-  baseline also run in the simulator with the runtime's settings, and the plan returned is the best
-  under the cost model among those at least as good as every baseline under *both* the model and
-  the simulator. The two agree on most instances; where they disagree on the baselines themselves
+  candidates too, and all five are the *rivals*. Every candidate is scored with the one cost
+  model (``costs``); a plan that does not fit in memory scores 0. Up to ``max_simulated_devices``
+  the best candidates and every rival also run in the simulator with the runtime's settings, and
+  the plan returned is the best under the cost model among those at least as good as every rival
+  under *both* the model and the simulator. The two agree on most instances; where they disagree on the baselines themselves
   (no candidate is at least as good as all of them under both), the candidate with the best worse
   ratio of the two (``min(model / best model, simulated / best simulated)``) wins.
 * **Deterministic and invariant to renaming.** Everything runs on the canonical snapshot
@@ -43,6 +43,7 @@ from planner.plan import Plan
 from planner.snapshot import LinkMatrix, SwarmSnapshot
 
 BASELINES = ("even", "petals", "swarm")
+LITERATURE = ("asteroid", "spantrain")
 SPEED_FRACTIONS = (0.5, 0.25)  # pools of the devices at least this fraction as fast as the fastest
 
 
@@ -190,14 +191,15 @@ def _plan_canonical(snapshot: SwarmSnapshot, config: GlobalPlanConfig) -> Plan:
     candidates = build_candidates(snapshot, config)
     scores = {name: estimate_throughput(snapshot, plan) for name, plan in candidates.items()}
     simulated: dict[str, float] = {}
+    rivals = tuple(n for n in BASELINES + LITERATURE if n in candidates)
     if snapshot.num_devices <= config.max_simulated_devices:
         ranked = sorted(scores, key=lambda n: (-scores[n], n))
-        for name in dict.fromkeys(list(BASELINES) + ranked[: config.num_simulated]):
+        for name in dict.fromkeys(list(rivals) + ranked[: config.num_simulated]):
             result = simulate_plan(snapshot, candidates[name], simulation_config(config), rng=np.random.default_rng(0))
             simulated[name] = result.throughput
     if max(scores.values()) <= 0:
         raise ValueError("no plan fits in memory: the devices cannot hold the model with the runtime's window")
-    return candidates[choose_plan(scores, simulated, baselines=BASELINES)]
+    return candidates[choose_plan(scores, simulated, baselines=rivals)]
 
 
 def plan_global(snapshot: SwarmSnapshot, config: GlobalPlanConfig | None = None) -> Plan:

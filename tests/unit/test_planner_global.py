@@ -182,7 +182,7 @@ def test_the_plan_is_never_worse_than_what_it_implements_fits_and_ignores_names(
     assert estimate_throughput(snapshot, plan) >= best * (1 - 1e-9)
     simulated = _simulate(snapshot, plan)
     assert simulated > 0
-    for baseline in rivals[:3]:
-        assert simulated >= _simulate(snapshot, baseline) * (1 - 1e-9)
+    for rival in rivals:
+        assert simulated >= _simulate(snapshot, rival) * (1 - 1e-9)
     renamed, back = _renamed(snapshot, np.random.default_rng(data.draw(st.integers(0, 99), label="names")))
     assert rename_plan(plan_global(renamed, QUICK), back) == plan
