@@ -309,7 +309,7 @@ class PlanCosts:
         return max(float(self.stage_terms.max()), self.round_trip / self.window)
 
 
-def plan_groups_of(snapshot: SwarmSnapshot, plan: Plan) -> list[StageGroup]:
+def profile_stages(snapshot: SwarmSnapshot, plan: Plan) -> list[StageGroup]:
     """The ``StageGroup`` of every stage of ``plan``."""
     return [
         profile_group(snapshot, snapshot.indices_of(s.server_ids), snapshot.indices_of(s.client_ids))
@@ -320,7 +320,7 @@ def plan_groups_of(snapshot: SwarmSnapshot, plan: Plan) -> list[StageGroup]:
 def estimate_plan_costs(snapshot: SwarmSnapshot, plan: Plan) -> PlanCosts:
     """Every figure of the cost model for ``plan`` (module doc)."""
     model, runtime = snapshot.model, snapshot.runtime
-    groups = plan_groups_of(snapshot, plan)
+    groups = profile_stages(snapshot, plan)
     window = count_inflight(runtime, groups[0].num_servers)
     terms = np.zeros(plan.num_stages)
     round_trip = 0.0

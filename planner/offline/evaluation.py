@@ -57,6 +57,7 @@ class ArrangementScorer:
         return matrix
 
     def _group(self, servers: tuple[int, ...], clients: tuple[int, ...]) -> StageGroup:
+        """The group's profile (not memoised: matrices are, and they are what repeats)."""
         return profile_group(self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64))
 
     def floor_matrix(self, servers: tuple[int, ...], clients: tuple[int, ...]) -> np.ndarray:

@@ -11,7 +11,7 @@
    to stage compute; the DP also sees links and memory).
 5. FS/BS roles (``assembly``).
 
-Two additions, both scored with the same cost model (seed 000 Eq. 2, ``costs``): the levels next
+Two additions, both scored with the cost model (``costs``): the levels next
 to the one the stop rule picks, and both directions of the path, are scored in full and the best
 kept; then a bounded local search (``refinement``) moves single devices onto the bottleneck stage.
 """

@@ -1,4 +1,4 @@
-"""Join and rebalance decisions on a full ``Plan`` under seed 000's cost model, evaluated offline.
+"""Join and rebalance decisions on a full ``Plan`` under the cost model (``costs``), evaluated offline.
 
 Not what the live peer runs. A running peer decides where to join and whether to move with
 ``planner.stage_choice`` (``assign_joiners``, ``choose_move``): stage throughput from measured
@@ -11,7 +11,8 @@ peer reloads anything (DESIGN §1 step 8; Petals reloads unchanged blocks, we ne
 
 Join (seed 000 §3.2 "Dynamic client participation", refined). The joiner is added to each stage
 in turn — as a server if reliable, a client otherwise — and the stage that yields the lowest
-bottleneck of seed 000 Eq. 2 (``costs``) wins; ties go to the stage with the best mean bandwidth to
+bottleneck term of the cost model (``costs``; the window bound is left out, and memory is checked
+with the plan's window ``W`` even when a reliable joiner of stage 0 would widen it) wins; ties go to the stage with the best mean bandwidth to
 the joiner (seed 000's own rule), then the lower index. Only the changed stage and its predecessor
 (whose outgoing link changes) are re-evaluated from running sums kept in a ``JoinContext`` (built
 once per plan in O(n)), so a decision costs O(K * stage size) with small constants.
