@@ -153,20 +153,14 @@ class RunSpec:
         weight_decay: AdamW weight decay.
         microbatch_size: sequences per microbatch (the unit that flows through the pipeline).
         target_batch_size: samples a stage replica accumulates before each optimizer step.
-        pipeline_schedule: what a step means along the pipeline (``PIPELINE_SCHEDULES``; see
-            docs/convergence.md). ``"flush"`` (the default): a stage-0 replica injects one batch,
-            waits until every gradient of it came back, steps, and only then injects the next
-            batch; every stage steps before it computes a microbatch of the next batch. Every
-            gradient is computed on the current weights, as in one process (PipeDream-flush /
-            GPipe). ``"delayed"``: stage 0 keeps ``max_in_flight`` microbatches in the pipeline
-            across steps (seed 000's delayed parameter updates): more tokens/s, but most gradients
-            are one step stale, which costs far more loss per sample than it gains in speed.
-        replica_sync: how the replicas of a stage learn together (``REPLICA_SYNCS``).
-            ``"gradients"`` (the default; needs ``flush``): ``target_batch_size`` is the batch of the
-            whole swarm; the stage-0 replicas split it, and the replicas of every stage add up their
-            gradients before each step (swarm/gradient_sync.py), so the swarm takes one process's
-            steps. ``"periodic"``: every replica steps on its own ``target_batch_size`` samples, and
-            only the averaging rounds bring the replicas together.
+        pipeline_schedule: what a step means along the pipeline (``PIPELINE_SCHEDULES``, see
+            docs/convergence.md): ``"flush"`` (the default) injects one batch, waits for all its
+            gradients and steps, so every gradient is on the current weights (GPipe); ``"delayed"``
+            keeps microbatches in flight across steps (seed 000): faster, one step stale.
+        replica_sync: how a stage's replicas learn together (``REPLICA_SYNCS``): ``"gradients"``
+            (the default; needs ``flush``): ``target_batch_size`` is the whole swarm's batch, and
+            the replicas add up their gradients before each step (swarm/gradient_sync.py);
+            ``"periodic"``: each steps on its own batch, and averaging rounds bring them together.
         averaging_period: seconds between in-stage averaging rounds.
         dataset: ``"builtin:pydoc"`` (Python's own documentation, shipped with every CPython) or
             ``"files:<sha256>"`` for the user's own text files, identified by their content hash.
@@ -184,6 +178,10 @@ class RunSpec:
             fp32 or bf16), ``"bf16"``, ``"fp16"`` (scaled) or ``"int8"`` (blockwise absmax, 3.76×
             fewer bytes than fp32). A run property: every peer must decode what the others encode.
             Left out of the wire form when it is none.
+        gradient_codec: how a replica's gradient sum of a batch crosses to its co-replicas
+            (``replica_sync = "gradients"``, ``swarm.gradient_sync``), with the same codecs
+            (``BOUNDARY_CODECS``); int8 keeps each replica's rounding error and adds it to its next
+            batch (error feedback). Left out of the wire form when it is none.
         seed: the seed of deterministic initialisation and of data order.
         protocol_version: bumped when the wire protocol changes incompatibly.
         layout_version: 0 in the published spec. A peer that trains under a layout re-planned after a
@@ -207,6 +205,7 @@ class RunSpec:
     tokenizer: str = "bytes"
     precision: str = "fp32"
     boundary_codec: str = "none"
+    gradient_codec: str = "none"
     seed: int = 0
     protocol_version: int = PROTOCOL_VERSION
     layout_version: int = 0
@@ -234,6 +233,8 @@ class RunSpec:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.boundary_codec not in BOUNDARY_CODECS:
             raise ValueError(f"boundary_codec must be one of {', '.join(BOUNDARY_CODECS)}, got {self.boundary_codec!r:.40}")
+        if self.gradient_codec not in BOUNDARY_CODECS:
+            raise ValueError(f"gradient_codec must be one of {', '.join(BOUNDARY_CODECS)}, got {self.gradient_codec!r:.40}")
 
     @property
     def num_stages(self) -> int:
@@ -256,7 +257,8 @@ class RunSpec:
         for key, default in MODEL_WIRE_DEFAULTS.items():
             if wire["model"][key] == default:
                 del wire["model"][key]
-        for key, default in (("tokenizer", "bytes"), ("precision", "fp32"), ("boundary_codec", "none")):  # the first round's wire form and hashes
+        for key, default in (("tokenizer", "bytes"), ("precision", "fp32"), ("boundary_codec", "none"),
+                             ("gradient_codec", "none")):  # the first round's wire form and hashes
             if wire[key] == default:
                 del wire[key]
         return wire
@@ -289,7 +291,8 @@ class RunSpec:
             f"seq_len={m.seq_len}, {self.num_stages} stages {list(self.stage_layers)}, "
             f"dataset {self.dataset}, {'byte' if self.tokenizer == 'bytes' else 'BPE'} tokens "
             f"(vocabulary {m.vocab_size}), {self.precision}"
-            f"{'' if self.boundary_codec == 'none' else f', {self.boundary_codec} at stage boundaries'}, seed {self.seed}"
+            f"{'' if self.boundary_codec == 'none' else f', {self.boundary_codec} at stage boundaries'}"
+            f"{'' if self.gradient_codec == 'none' else f', {self.gradient_codec} gradients between replicas'}, seed {self.seed}"
         )
 
 

@@ -57,7 +57,7 @@ def prepare_run(config: BootstrapConfig) -> tuple[RunSpec, Tokenizer]:
         replica_sync=config.replica_sync,
         averaging_period=config.averaging_period,
         dataset=dataset, tokenizer=tokenizer.id, precision=config.precision,
-        boundary_codec=config.boundary_codec, seed=config.seed,
+        boundary_codec=config.boundary_codec, gradient_codec=config.gradient_codec, seed=config.seed,
     )
     if config.num_stages == 0:
         num_stages, _ = stages_to_fit(spec, config.stage_memory_gb * 2**30)

@@ -197,6 +197,7 @@ class BootstrapConfig:
     vocab_size: int = field(default=4096, metadata=_help("with --tokenizer bpe: the vocabulary to train"))
     precision: str = field(default="fp32", metadata=_help("how every peer computes: fp32, or bf16 (autocast on any device; fp32 master weights and AdamW moments; activations and gradients sent in bf16, half the bytes): the usual choice for a swarm of GPUs"))
     boundary_codec: str = field(default="none", metadata=_help("how activations and their gradients cross a stage boundary: none (as computed: fp32, or bf16 under --precision bf16), bf16 or fp16 (half of fp32's bytes), int8 (blockwise absmax, 3.76x fewer bytes than fp32, error at most 1/254 of each block's largest value); a run property, see docs/compression.md"))
+    gradient_codec: str = field(default="none", metadata=_help("how a replica's gradients of a batch go to its co-replicas under --replica-sync gradients: none (fp32), bf16, fp16 or int8 (blockwise absmax with error feedback: each replica adds its rounding error to its next batch); a run property, see docs/compression.md"))
     spec_refresh_period: float = field(default=60.0, metadata=_help("seconds between re-publications of the run spec"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
     status_port: int = field(default=0, metadata=_help("serve the swarm health page (/), /status.json and Prometheus /metrics on this TCP port (0: off)"))
@@ -218,11 +219,13 @@ class BootstrapConfig:
             raise ValueError("give either --preset or the model flags (--model-family, --d-model, --num-layers, "
                              "--num-heads, --num-kv-heads, --ffn-dim, --seq-len), not both")
         if self.num_stages < 0 or (not self.preset and self.num_stages > self.num_layers):
-            raise ValueError(f"--num-stages must be between 1 and the model's layers, or 0 to choose")
+            raise ValueError("--num-stages must be between 1 and the model's layers, or 0 to choose")
         if not (math.isfinite(self.stage_memory_gb) and self.stage_memory_gb > 0):
             raise ValueError("--stage-memory-gb must be a positive number")
         check_step_semantics(self.pipeline_schedule, self.replica_sync, flags=True)
         if self.boundary_codec not in BOUNDARY_CODECS:
             raise ValueError(f"--boundary-codec must be one of {', '.join(BOUNDARY_CODECS)}, got {self.boundary_codec!r}")
+        if self.gradient_codec not in BOUNDARY_CODECS:
+            raise ValueError(f"--gradient-codec must be one of {', '.join(BOUNDARY_CODECS)}, got {self.gradient_codec!r}")
         if not self.tokenizer:
             raise ValueError("--tokenizer must be bytes, bpe, or the path of a tokenizer.json")

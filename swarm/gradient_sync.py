@@ -60,6 +60,7 @@ from hivemind.p2p import P2P
 
 from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError, require_tensor
+from swarm.boundary_codec import boundary_codec
 from swarm.robust import MIN_ROBUST_ROWS, aggregate
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -147,6 +148,8 @@ class GradientSync:
         self.timeout, self.max_payload_bytes, self.on_event = timeout, max_payload_bytes, on_event
         self.handler = gradients_handler(stage.spec.namespace, stage.index)
         self.num_params = sum(p.numel() for p in stage.model.parameters())
+        self.codec = boundary_codec(stage.spec.gradient_codec)  # how contributions travel
+        self._residual: torch.Tensor | None = None  # error feedback: what the codec rounded off, added next batch
         self.state_size = sum(t.numel() for t in stage.averaged_tensors())
         self._received: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
         self._weights: dict[int, dict[str, tuple[str, int]]] = {}  # per batch: contributors' weights digest, steps
@@ -156,7 +159,7 @@ class GradientSync:
         self._ahead: dict[int, set[str]] = {}  # per batch: co-replicas that said they are past it
         self._arrived = asyncio.Event()
         self._pushes: dict[str, asyncio.Task] = {}  # co-replica -> the push to it in flight
-        self._queued: dict[str, tuple[int, dict, torch.Tensor]] = {}  # co-replica -> the newest push waiting for it
+        self._queued: dict[str, tuple[int, dict, list[torch.Tensor]]] = {}  # co-replica -> the newest push waiting for it
         self._late: set[str] = set()  # co-replicas that missed their last deadline: waited for briefly
         self.typical_wait: float | None = None  # smoothed seconds a whole exchange took
         # batches closed; of them, closed without some co-replica's contribution; with no co-replica known
@@ -191,12 +194,14 @@ class GradientSync:
         ``weights``: the digest of the weights the contribution was computed on; contributions
         computed on other weights than this replica's are reconciled after the step (:meth:`reconcile`)."""
         members = self.co_replicas()
+        if members:
+            gradients, wire = self.encode(gradients)
         contributions = {self.peer_id: (gradients, count)}
         header = {"batch": batch, "count": count, "weights": weights, "steps": self.stage.optimizer_steps}
         started = asyncio.get_running_loop().time()
         if members:
             for peer_id in members:  # theirs may come first: they still need this one
-                self._push_soon(peer_id, batch, header, gradients)
+                self._push_soon(peer_id, batch, header, wire)
             await self._wait_contributions(batch, members)
             contributions.update({p: c for p, c in self._received.get(batch, {}).items() if p in members})
             self._plan_reconcile(batch, {self.peer_id: (weights, header["steps"])} | {
@@ -220,7 +225,21 @@ class GradientSync:
             self.on_event("gradients_outvoted", batch=batch, peers=outvoted)
         return total, count
 
-    def _push_soon(self, peer_id: str, batch: int, header: dict[str, Any], gradients: torch.Tensor) -> None:
+    def encode(self, gradients: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This replica's contribution as its co-replicas will decode it, and its wire tensors.
+        Every replica adds the *decoded* contributions, its own too, so all of them step on the same
+        sum, bit for bit, whatever the codec rounds. A lossy codec's rounding error is kept and added
+        to the next batch's sum (error feedback, as in 1-bit SGD and EF-SGD): nothing is lost, only
+        late by a batch."""
+        if self.codec.name == "none":
+            return gradients, [gradients]
+        target = gradients if self._residual is None else gradients + self._residual
+        wire = self.codec.encode(target)
+        decoded = self.codec.decode(wire, shape=(self.num_params,), dtype=torch.float32, name="gradients")
+        self._residual = target - decoded
+        return decoded, wire
+
+    def _push_soon(self, peer_id: str, batch: int, header: dict[str, Any], gradients: list[torch.Tensor]) -> None:
         """Push now, or, while the last push to ``peer_id`` is still under way (a slow link), right after
         it; only the newest waits (an older batch than that is of no use to the co-replica any more)."""
         if peer_id in self._pushes:
@@ -237,9 +256,9 @@ class GradientSync:
 
         push.add_done_callback(pushed)
 
-    async def _push(self, peer_id: str, batch: int, header: dict[str, Any], gradients: torch.Tensor) -> None:
+    async def _push(self, peer_id: str, batch: int, header: dict[str, Any], gradients: list[torch.Tensor]) -> None:
         try:
-            reply, _ = await call_peer(self.p2p, peer_id, self.handler, header, [gradients],
+            reply, _ = await call_peer(self.p2p, peer_id, self.handler, header, gradients,
                                        timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
         except (PeerUnavailableError, RemoteError) as e:
             logger.debug(f"gradients of batch {batch} not delivered to {peer_id[-6:]}: {e}")
@@ -367,9 +386,7 @@ class GradientSync:
             raise ProtocolError("count must be a non-negative integer")
         if type(weights) is not str or len(weights) > 64 or type(steps) is not int or steps < 0:
             raise ProtocolError("weights must be a digest and steps a non-negative integer")
-        gradients = require_tensor(tensors, 0, dtype=torch.float32, shape=(self.num_params,), name="gradients")
-        if not torch.isfinite(gradients).all():
-            raise ProtocolError("gradients hold NaN or Inf")
+        gradients = self.codec.decode(tensors, shape=(self.num_params,), dtype=torch.float32, name="gradients")
         if batch < version and not self.stage.is_closing(batch):
             return {"ok": True, "version": version}  # this replica is past it: the sender must not wait
         self._received.setdefault(batch, {})[sender] = (gradients, count)

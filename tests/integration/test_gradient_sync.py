@@ -5,11 +5,13 @@ same microbatches; a co-replica that stops answering does not hold the other's s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import torch
 
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from dht.registry import declare_peer
+from dht.wire import TRAFFIC
 from swarm.data import TokenSampler, load_corpus
 from swarm.gradient_sync import GradientSync
 from swarm.model import StageModel, next_token_loss
@@ -29,13 +31,13 @@ def sampler(seed: int) -> TokenSampler:
     return TokenSampler(load_corpus(SPEC.dataset).text(), seq_len=SPEC.model.seq_len, seed=seed)
 
 
-async def open_replica(dht, validator, seed: int) -> tuple[Trainer, GradientSync]:
+async def open_replica(dht, validator, seed: int, spec: RunSpec = SPEC) -> tuple[Trainer, GradientSync]:
     """A replica of the single stage (it owns data and computes the loss), with its gradient sync."""
     peer_id = dht.peer_id.to_base58()
     assert await declare_peer(dht, validator, SPEC.run_id, PeerRecord(peer_id=peer_id, role="reliable",
                                                                       state="training", stage=0, flops=1e9), ttl=60)
     view = SwarmView(dht, SPEC.run_id)
-    stage = Stage(SPEC, 0, device=CPU)
+    stage = Stage(spec, 0, device=CPU)
     sync = GradientSync(await dht.replicate_p2p(), view, stage, peer_id=peer_id, timeout=TIMEOUT,
                         max_payload_bytes=1 << 24)
     await sync.start()
@@ -103,6 +105,41 @@ def test_replicas_step_as_one_process_on_the_swarm_batch(dht_nodes):
     with torch.no_grad():
         torch.testing.assert_close(trainers[0].stage.model(inputs), reference(inputs), rtol=1e-3, atol=1e-4)
         assert not torch.allclose(StageModel(SPEC, 0)(inputs), reference(inputs), rtol=1e-3, atol=1e-4)
+
+
+def test_replicas_exchanging_int8_gradients_hold_one_state_and_stay_near_one_process(dht_nodes):
+    """--gradient-codec int8: the replicas still hold bit-identical weights after every step (each
+    adds the decoded contributions, its own too), their contributions take 3.76x fewer bytes, and
+    with error feedback the model stays close to one process's on the same batches."""
+    _, (dht1, v1), (dht2, v2) = dht_nodes
+    spec = dataclasses.replace(SPEC, gradient_codec="int8")
+    reference = StageModel(SPEC, 0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=SPEC.lr, weight_decay=SPEC.weight_decay)
+
+    async def main() -> Trainer:
+        replicas = [await open_replica(dht1, v1, seed=1, spec=spec), await open_replica(dht2, v2, seed=2, spec=spec)]
+        await wait_views(replicas, 2)
+        data = sampler(0)
+        sent = TRAFFIC.bytes_sent
+        for batch in range(NUM_BATCHES):
+            await asyncio.wait_for(asyncio.gather(*(train_batch(t) for t, _ in replicas)), 60)
+            one_process_step(reference, optimizer, [data.sample_slot(SPEC.microbatch_size, seed=SPEC.seed, batch=batch,
+                                                                     slot=k, slots=PER_BATCH) for k in range(PER_BATCH)])
+            digests = [await t.stage.run(t.stage.params_digest) for t, _ in replicas]
+            assert digests[0] == digests[1], f"replicas differ after batch {batch}"
+        num_params = replicas[0][1].num_params
+        # both replicas' pushes (one process here): int8 values and a scale per 64, plus headers
+        assert TRAFFIC.bytes_sent - sent < 2 * NUM_BATCHES * (num_params * 1.0625 + 4096) < 2 * NUM_BATCHES * num_params * 4
+        assert all(sync.num_partial == 0 for _, sync in replicas)
+        for _, sync in replicas:
+            await sync.stop()
+        return replicas[0][0]
+
+    trainer = asyncio.run(main())
+    inputs, _ = sampler(9).sample(8)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.stage.model(inputs), reference(inputs), rtol=2e-2, atol=2e-2)
+        assert not torch.allclose(StageModel(SPEC, 0)(inputs), reference(inputs), rtol=2e-2, atol=2e-2)
 
 
 def test_a_silent_co_replica_does_not_hold_the_step_back(dht_nodes):

@@ -4,6 +4,7 @@ when a stage replica closes a batch or jumps to a later one (swarm/gradient_sync
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 
 import pytest
@@ -174,3 +175,37 @@ def test_a_replica_that_loads_another_s_flat_state_holds_the_same_state():
             behind.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8"])
+def test_a_compressed_contribution_is_what_co_replicas_decode_and_error_feedback_loses_nothing(codec):
+    """The contribution a replica adds itself is the one its co-replicas decode (so all step on the
+    same sum), and what a lossy codec rounds off comes back in the next batch: over many batches the
+    decoded sums trail the true ones by the last batch's rounding only."""
+    from dht.wire import ProtocolError
+    from swarm.gradient_sync import GradientSync
+    from swarm.view import SwarmView
+
+    from dht.records import PeerRecord
+
+    spec = dataclasses.replace(SPEC, gradient_codec=codec)
+    view = SwarmView(None, "g")
+    view.records = [PeerRecord(peer_id=p, role="reliable", state="training", stage=0, flops=1e9) for p in "ab"]
+    sync = GradientSync(None, view, Stage(spec, 0, device=CPU), peer_id="a", timeout=1.0, max_payload_bytes=1 << 20)
+    generator = torch.Generator().manual_seed(0)
+    true_sum, sent_sum, first_error = torch.zeros(sync.num_params), torch.zeros(sync.num_params), None
+    for _ in range(50):
+        gradients = torch.randn(sync.num_params, generator=generator) * 1e-3
+        decoded, wire = sync.encode(gradients)
+        assert torch.equal(sync.codec.decode(wire, shape=(sync.num_params,), dtype=torch.float32), decoded)
+        assert sum(t.numel() * t.element_size() for t in wire) < 4 * sync.num_params / 1.9  # fewer bytes
+        first_error = first_error if first_error is not None else float((decoded - gradients).abs().max())
+        true_sum += gradients
+        sent_sum += decoded
+    assert first_error > 0  # the codec does round
+    assert float((true_sum - sent_sum - sync._residual).abs().max()) < 1e-6  # the residual is all that is missing
+    assert float((true_sum - sent_sum).abs().max()) <= 2 * first_error + 1e-7  # one batch's rounding, not fifty
+    with pytest.raises(ProtocolError):
+        sync._receive("b", {"batch": 0, "count": 1}, [torch.zeros(sync.num_params)])  # a co-replica's fp32: refused
+    assert sync._receive("b", {"batch": 0, "count": 1}, wire)["ok"]  # its encoded contribution: taken
+    assert torch.equal(sync._received[0]["b"][0], decoded)
