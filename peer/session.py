@@ -32,6 +32,7 @@ from peer.backup import RescueWatch
 from peer.checkpoint import WriteProgress, checkpoint_path, save_checkpoint
 from peer.context import PeerContext, SessionHost
 from peer.faults import inject_corrupt_shards, inject_wrong_outputs
+from peer.heartbeat import Heartbeat
 from peer.membership_events import MembershipEvents
 from peer.profiler import MIB
 from peer.rebalance import RebalanceWatch
@@ -66,7 +67,6 @@ PAUSE_FILE_PERIOD = 0.5
 # generous, as the link to a live holder whose record went missing may be slow (1 Mbit/s in the e2e test)
 RESCUE_CHECK_ATTEMPTS = 2
 RESCUE_CHECK_TIMEOUT = 2.0
-SLOW_WARNING_PERIOD = 60.0  # seconds between warnings of slow heartbeats
 
 class StageSession:
     """The services of one stage a peer serves; see the module docstring.
@@ -328,22 +328,9 @@ class StageSession:
     # --- the session's loops ------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        config, clock, jitter = self.ctx.config, self.ctx.clock, random.Random(f"heartbeat:{self.ctx.peer_id}")
-        warned = -math.inf
-        while not self._stop.is_set():
-            started = clock()
-            try:
-                await asyncio.wait_for(self.host.heartbeat(), timeout=config.heartbeat_ttl / 2)
-            except Exception as e:
-                logger.warning(f"heartbeat failed: {e!r}")
-            elapsed = clock() - started
-            # a slow link makes a DHT store take longer than the period: news only when it nears the
-            # record's lifetime (others would drop this peer), and then once a minute
-            if elapsed > config.heartbeat_ttl / 3 and clock() - warned > SLOW_WARNING_PERIOD:
-                warned = clock()
-                logger.warning(f"heartbeat took {elapsed:.2f}s; records live {config.heartbeat_ttl:.0f}s: on a slow "
-                               f"link raise --heartbeat-ttl")
-            await asyncio.sleep(config.heartbeat_period * jitter.uniform(0.8, 1.2))
+        config = self.ctx.config
+        await Heartbeat(self.host.heartbeat, period=config.heartbeat_period, ttl=config.heartbeat_ttl, clock=self.ctx.clock,
+                        rng=random.Random(f"heartbeat:{self.ctx.peer_id}")).run(self._stop)
 
     async def _status_loop(self) -> None:
         """A log line and a ``status`` event every ``--status-period`` seconds."""
