@@ -126,13 +126,20 @@ class FailureDetector:
         self.num_pings = 0
 
     def neighbours(self) -> set[str]:
-        """The training peers of this stage and the two next to it that others can dial: a peer
-        whose record says it is unreachable (a client behind a NAT) answers a ping only over a
-        connection it opened itself, so a failed ping says nothing; its record's TTL tells instead."""
+        """The training peers of this stage and the two next to it that this peer can dial. A failed
+        ping says nothing of the others; their records' TTL tells instead:
+        - a peer whose record says it is unreachable (a client behind a NAT) answers only over a
+          connection it opened itself;
+        - between two peers behind NATs, a ping goes through a relay until a hole is punched (it
+          needs 4 public peers), and a relayed connection is cut after 128 KiB or 2 minutes: on
+          emulated 50 Mbit/s links two such peers declared each other down every 15-20 s, each time
+          "back" a second later (bench/wan.py --nat, 2026-11-27)."""
         stages = {self.stage - 1, self.stage, self.stage + 1}
+        behind_nat = any(r.peer_id == self.peer_id and r.reachability != "direct" for r in self.view.records)
         return {r.peer_id for r in self.view.records
                 if r.stage in stages and r.state == "training" and r.peer_id != self.peer_id
-                and r.reachability != "unreachable" and not self.view.is_gone(r.peer_id)}
+                and r.reachability != "unreachable" and not (behind_nat and r.reachability == "relayed")
+                and not self.view.is_gone(r.peer_id)}
 
     def vouches_for(self, peer_id: str, now: float | None = None) -> bool:
         """Whether ``peer_id`` answered one of this detector's pings within :data:`VOUCH_WINDOW`

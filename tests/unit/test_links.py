@@ -167,3 +167,7 @@ def test_a_peer_nobody_can_dial_is_not_pinged_its_record_tells_instead():
         for name, stage, kind in (("same", 0, "direct"), ("next", 1, "relayed"), ("client", 0, "unreachable"),
                                   ("far", 2, "direct"))]
     assert detector.neighbours() == {"same", "next"}
+    # behind a NAT itself, this peer reaches another NATed one only through a relay: not pinged either
+    detector.view.records.append(PeerRecord(peer_id="me", role="reliable", state="training", stage=0, flops=1e9,
+                                            reachability="relayed"))
+    assert detector.neighbours() == {"same"}
