@@ -89,7 +89,7 @@ class Trainer:
         self.last_val_loss = math.nan
         self.flow = flow  # None: always max_in_flight in flight
         self._window_changed = asyncio.Event()  # lanes beyond the window wait on it
-        self._timeouts_seen = 0  # the router's timed-out calls already told to the flow window
+        self._timeouts_seen = self._failures_seen = 0  # the router's timed-out and failed calls already told to it
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until ``stop`` is set; then let in-flight microbatches finish."""
@@ -175,16 +175,16 @@ class Trainer:
             pass  # (a batch drained meanwhile, a pause: checked by the caller)
 
     def _tell_flow(self, seconds: float | None, reply: dict[str, Any] | None = None) -> None:
-        """A microbatch came back after ``seconds`` (None: it has to be re-sent); a call to the next
-        stage that timed out meanwhile is a loss too (a queue so long that answers came too late)."""
-        flow = self.flow
-        if flow is None:
+        """A microbatch came back after ``seconds`` (None: it has to be re-sent). A loss: a call to the
+        next stage that timed out (a queue so long that answers came too late), or a re-send after a
+        failed call; not a microbatch that found no peer to call at all (the next stage is not known yet)."""
+        flow, router = self.flow, self.router
+        if flow is None or router is None:
             return
         before = flow.window
-        timeouts = getattr(self.router, "num_timeouts", 0)
-        if seconds is None or timeouts > self._timeouts_seen:
+        if router.num_timeouts > self._timeouts_seen or (seconds is None and router.num_failures > self._failures_seen):
             flow.on_loss()
-        self._timeouts_seen = timeouts
+        self._timeouts_seen, self._failures_seen = router.num_timeouts, router.num_failures
         if seconds is not None:
             queue = (reply or {}).get("queue")
             valid = type(queue) is int and 0 <= queue <= MAX_REPORTED_QUEUE
