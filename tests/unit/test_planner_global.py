@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from planner.offline.canonical import plan_canonically, rename_plan
@@ -39,7 +39,7 @@ QUICK = GlobalPlanConfig(
 
 
 def _simulate(snapshot: SwarmSnapshot, plan: Plan, config: GlobalPlanConfig = QUICK) -> float:
-    return simulate_plan(snapshot, plan, simulation_config(config), rng=np.random.default_rng(0)).throughput
+    return simulate_plan(snapshot, plan, simulation_config(config, snapshot.model), rng=np.random.default_rng(0)).throughput
 
 
 def _edge_swarm(seed: int = 2) -> SwarmSnapshot:
@@ -104,7 +104,7 @@ def test_a_plan_that_does_not_fit_is_worth_nothing_anywhere() -> None:
     whole = Plan(stages=(Stage(layer_start=0, layer_end=24, server_ids=(reliable_small.peer_id,)),))
     assert not is_within_memory(snapshot, whole)
     assert estimate_throughput(snapshot, whole) == 0.0
-    result = simulate_plan(snapshot, whole, simulation_config(QUICK), rng=np.random.default_rng(0))
+    result = simulate_plan(snapshot, whole, simulation_config(QUICK, snapshot.model), rng=np.random.default_rng(0))
     assert result.throughput == 0.0 and not result.is_within_memory
     tiny = replace(snapshot, devices=tuple(replace(d, memory_bytes=GIGABYTE) for d in snapshot.devices))
     with pytest.raises(ValueError, match="fits in memory"):
@@ -130,6 +130,24 @@ def test_the_plan_needs_no_seed_and_ignores_names() -> None:
     renamed, back = _renamed(snapshot, np.random.default_rng(5))
     assert rename_plan(plan_global(renamed, QUICK), back) == plan
     assert plan_global(snapshot, QUICK) == plan
+
+
+def test_where_the_model_and_the_simulator_disagree_the_models_promise_is_kept() -> None:
+    """Two clusters of two GPUs, two micro-batches in flight: the model puts Asteroid's plan
+    (96.98 samples/s) above the even partition (96.27); the simulator, which queues, gives them
+    75.8 and 96.7. No plan keeps both promises; the one returned keeps the model's."""
+    model = build_transformer_profile(num_layers=3, hidden_size=2048, sequence_length=1024, microbatch_size=4, num_microbatches=8)
+    snapshot = build_clustered_snapshot(
+        np.random.default_rng(7862752), model=model, num_clusters=2, cluster_size=2, num_edge=0,
+        cluster_memory_bytes=(1 * GIGABYTE, 2 * GIGABYTE, 4 * GIGABYTE), edge_memory_bytes=(0.5e9, 3e9),
+    )
+    snapshot = replace(snapshot, runtime=RuntimeSettings(max_in_flight_per_peer=2))
+    even, asteroid = plan_even(snapshot), plan_canonically(snapshot, plan_asteroid)
+    assert estimate_throughput(snapshot, asteroid) > estimate_throughput(snapshot, even)
+    assert _simulate(snapshot, asteroid) < _simulate(snapshot, even)
+    plan = plan_global(snapshot, QUICK)
+    assert estimate_throughput(snapshot, plan) >= estimate_throughput(snapshot, asteroid)
+    assert _simulate(snapshot, plan) >= _simulate(snapshot, asteroid)
 
 
 def _draw_snapshot(data: st.DataObject) -> SwarmSnapshot:
@@ -182,7 +200,14 @@ def test_the_plan_is_never_worse_than_what_it_implements_fits_and_ignores_names(
     assert estimate_throughput(snapshot, plan) >= best * (1 - 1e-9)
     simulated = _simulate(snapshot, plan)
     assert simulated > 0
-    for rival in rivals:
-        assert simulated >= _simulate(snapshot, rival) * (1 - 1e-9)
+    models = [estimate_throughput(snapshot, r) for r in rivals]
+    simulations = [_simulate(snapshot, r) for r in rivals]
+    if simulated < max(simulations) * (1 - 1e-9):
+        # Allowed only where no rival is the best under both the model and the simulator, so no
+        # rival could have been returned to keep both promises; the model's promise is kept.
+        event("the model and the simulator rank the rivals differently")
+        best_model, best_simulated = max(models), max(simulations)
+        assert all(simulations[i] < best_simulated for i in range(len(rivals)) if models[i] == best_model)
+        assert all(models[i] < best_model for i in range(len(rivals)) if simulations[i] == best_simulated)
     renamed, back = _renamed(snapshot, np.random.default_rng(data.draw(st.integers(0, 99), label="names")))
     assert rename_plan(plan_global(renamed, QUICK), back) == plan
