@@ -20,7 +20,8 @@ BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmBoot"
 SPECIAL = {"role": "unreliable", "device": "cpu", "log_level": "DEBUG", "run_id": "other-run", "flow_control": "fixed",
            "terminal_view": "on", "status_host": "0.0.0.0", "num_stages": 1, "recovery": "restart",
            "aggregation": "mean", "pipeline_schedule": "delayed", "replica_sync": "periodic",
-           "run_owner": "0123456789abcdef" * 2, "reachability": "direct", "boundary_codec": "int8"}
+           "run_owner": "0123456789abcdef" * 2, "reachability": "direct", "boundary_codec": "int8",
+           "gradient_codec": "int8"}
 # flags a field's SPECIAL value needs beside it to be valid
 COMPANIONS = {"pipeline_schedule": ["--replica-sync", "periodic"]}
 
