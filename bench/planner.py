@@ -6,8 +6,16 @@ Prints one JSON line per measurement:
     {"bench": "planner_case", "case": ..., "method": ..., "throughput": ..., "speedup_vs_even": ...}
     {"bench": "planner_speed", "peers": N, "seconds": ...}
     {"bench": "planner_join", "peers": N, "seconds": ...}
+    {"bench": "planner_global_speed", "peers": N, "seconds": ..., "model_vs_even": ..., "model_vs_old": ...}
+    {"bench": "planner_heldout", "topology": ..., "seed": ..., "method": ..., "model_throughput": ...,
+     "simulated_throughput": ..., "model_vs_even": ..., "simulated_vs_even": ..., "fits": ..., "seconds": ...}
 
-Run: .venv/bin/python bench/planner.py [--quick] [--only quality,case,speed,join]
+Run: .venv/bin/python bench/planner.py [--quick] [--only quality,case,speed,join,heldout,global_speed]
+
+``heldout`` (issue #18) compares the seed 000 planner as it was used before (``old``: all reliable
+devices, the caller's rng, seeds 0 and 1) with ``plan_global`` (``new``) and every baseline, on
+topologies the planner was not tuned on (``HELDOUT``), under the cost model and the simulator (as ``plan_global`` runs it) with
+the runtime's settings (window 4 per stage-0 peer, no compression, averaging every 15 s).
 Timings are wall-clock on one core (the planner is single-threaded Python + numpy).
 """
 
@@ -27,11 +35,13 @@ import numpy as np  # noqa: E402
 from planner.costs import estimate_throughput  # noqa: E402
 from planner.offline.asteroid import plan_asteroid  # noqa: E402
 from planner.offline.baselines import plan_even, plan_petals, plan_swarm  # noqa: E402
+from planner.offline.canonical import plan_canonically  # noqa: E402
 from planner.offline.exhaustive import find_optimal_plan  # noqa: E402
+from planner.offline.global_plan import GlobalPlanConfig, plan_global, simulation_config  # noqa: E402
 from planner.offline.partition import plan_partition  # noqa: E402
 from planner.offline.rebalance import choose_join_stage, prepare_join  # noqa: E402
 from planner.offline.scenarios import (  # noqa: E402
-    build_case3_snapshot, build_region_snapshot, build_transformer_profile,
+    GIGABYTE, build_case3_snapshot, build_clustered_snapshot, build_region_snapshot, build_transformer_profile,
 )
 from planner.offline.simulator import SimulationConfig, simulate_plan  # noqa: E402
 from planner.offline.spantrain import plan_spantrain  # noqa: E402
@@ -55,12 +65,15 @@ def bench_quality(num_instances: int) -> None:
         if optimum <= 0:  # no plan fits in memory at all; nothing to compare
             continue
         ours = estimate_throughput(snapshot, plan_partition(snapshot, rng=np.random.default_rng(0)))
-        gaps.append(max(0.0, 1.0 - ours / optimum))
-    emit({
-        "bench": "planner_quality", "median_gap": round(float(np.median(gaps)), 4),
-        "worst_gap": round(float(np.max(gaps)), 4), "num_instances": num_instances,
-        "num_optimal": int(sum(g < 1e-9 for g in gaps)),
-    })
+        new = estimate_throughput(snapshot, plan_global(snapshot))
+        gaps.append((max(0.0, 1.0 - ours / optimum), max(0.0, 1.0 - new / optimum)))
+    for index, method in enumerate(("old", "new")):
+        column = [g[index] for g in gaps]
+        emit({
+            "bench": "planner_quality", "method": method, "median_gap": round(float(np.median(column)), 4),
+            "worst_gap": round(float(np.max(column)), 4), "num_instances": num_instances,
+            "num_optimal": int(sum(g < 1e-9 for g in column)),
+        })
 
 
 def bench_cases(num_steps: int) -> None:
@@ -138,6 +151,24 @@ def bench_speed(sizes: list[int]) -> None:
         })
 
 
+def bench_global_speed(sizes: list[int]) -> None:
+    """Wall time of one ``plan_global`` on the swarms of ``bench_speed``, with its gain over old and even."""
+    model = build_transformer_profile(num_layers=32, hidden_size=5120, sequence_length=1024)
+    for num_peers in sizes:
+        snapshot = build_region_snapshot(np.random.default_rng(num_peers), num_devices=num_peers, num_regions=8, model=model)
+        start = time.perf_counter()
+        plan = plan_global(snapshot)
+        seconds = time.perf_counter() - start
+        ours = estimate_throughput(snapshot, plan)
+        old = estimate_throughput(snapshot, plan_partition(snapshot, rng=np.random.default_rng(0)))
+        even = estimate_throughput(snapshot, plan_even(snapshot))
+        emit({
+            "bench": "planner_global_speed", "peers": num_peers, "seconds": round(seconds, 3),
+            "num_stages": plan.num_stages, "model_vs_even": round(ours / even, 3) if even > 0 else None,
+            "model_vs_old": round(ours / old, 3) if old > 0 else None,
+        })
+
+
 def bench_join(num_peers: int, num_repeats: int = 20) -> None:
     """Median time of one join decision (``choose_join_stage``) on a plan of ``num_peers`` peers.
 
@@ -169,10 +200,75 @@ def bench_join(num_peers: int, num_repeats: int = 20) -> None:
     })
 
 
+def build_heldout(name: str, seed: int) -> SwarmSnapshot:
+    """The held-out topologies of issue #18 (none of them is used to tune the planner)."""
+    rng = np.random.default_rng(seed)
+    model = build_transformer_profile(num_layers=24, hidden_size=4096, sequence_length=1024, num_microbatches=16)
+    if name == "cluster_edge":  # 8 fast GPUs (32 GB) + 8 edge devices on 100 Mbit/s
+        return build_clustered_snapshot(rng, model=model, num_clusters=1, cluster_size=8, num_edge=8)
+    if name == "two_clusters_slow":  # 2 x 4 GPUs of 16/32/80 GB joined by 50 Mbit/s, + 4 edge devices
+        return build_clustered_snapshot(
+            rng, model=model, num_clusters=2, cluster_size=4, num_edge=4, inter_cluster_megabits=50.0,
+            cluster_memory_bytes=(16 * GIGABYTE, 32 * GIGABYTE, 80 * GIGABYTE),
+        )
+    if name == "three_clusters":  # 3 x 4 GPUs joined by 1 Gbit/s, + 6 edge devices on 20 Mbit/s
+        return build_clustered_snapshot(
+            rng, model=model, num_clusters=3, cluster_size=4, num_edge=6, edge_megabits=20.0,
+        )
+    if name == "regions_small_memory":  # 16 devices in 3 regions, 4-12 GB each: memory binds
+        return build_region_snapshot(rng, num_devices=16, num_regions=3, model=model, memory_range_bytes=(4e9, 12e9))
+    raise ValueError(f"unknown topology {name!r}")
+
+
+HELDOUT = ("cluster_edge", "two_clusters_slow", "three_clusters", "regions_small_memory")
+
+
+def bench_heldout(seeds: list[int]) -> None:
+    """Old vs new vs every baseline on ``HELDOUT`` topologies (module docstring).
+
+    Every plan is simulated as ``plan_global`` checks its finalists (at least 256 micro-batches
+    after the warm-up).
+    """
+    for name in HELDOUT:
+        for seed in seeds:
+            snapshot = build_heldout(name, seed)
+            simulation = simulation_config(GlobalPlanConfig(), snapshot.model)
+            methods = {
+                "old": lambda s: plan_partition(s, rng=np.random.default_rng(0)),
+                "old_rng1": lambda s: plan_partition(s, rng=np.random.default_rng(1)),
+                "new": plan_global, "even": plan_even, "petals": plan_petals, "swarm": plan_swarm,
+                "asteroid": lambda s: plan_canonically(s, plan_asteroid),
+                "spantrain": lambda s: plan_canonically(s, lambda c: plan_spantrain(c, rng=np.random.default_rng(0))),
+            }
+            rows = {}
+            for method, planner in methods.items():
+                start = time.perf_counter()
+                try:
+                    plan = planner(snapshot)
+                except ValueError:  # this planner finds no plan that fits
+                    rows[method] = (0.0, 0.0, False, time.perf_counter() - start, 0)
+                    continue
+                seconds = time.perf_counter() - start
+                simulated = simulate_plan(snapshot, plan, simulation, rng=np.random.default_rng(0))
+                rows[method] = (
+                    estimate_throughput(snapshot, plan), simulated.throughput, simulated.is_within_memory,
+                    seconds, plan.num_stages,
+                )
+            even_model, even_simulated = rows["even"][:2]
+            for method, (model, simulated, fits, seconds, num_stages) in rows.items():
+                emit({
+                    "bench": "planner_heldout", "topology": name, "seed": seed, "method": method,
+                    "model_throughput": round(model, 3), "simulated_throughput": round(simulated, 3),
+                    "model_vs_even": round(model / even_model, 3) if even_model > 0 else None,
+                    "simulated_vs_even": round(simulated / even_simulated, 3) if even_simulated > 0 else None,
+                    "fits": fits, "seconds": round(seconds, 2), "num_stages": num_stages,
+                })
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer instances and steps")
-    parser.add_argument("--only", default="quality,case,speed,join", help="comma-separated parts to run")
+    parser.add_argument("--only", default="quality,case,speed,join,heldout,global_speed", help="comma-separated parts to run")
     args = parser.parse_args()
     parts = set(args.only.split(","))
     if "quality" in parts:
@@ -183,6 +279,10 @@ def main() -> None:
         bench_speed([16, 256] if args.quick else [16, 256, 1024, 4096])
     if "join" in parts:
         bench_join(1024)
+    if "global_speed" in parts:
+        bench_global_speed([16, 256] if args.quick else [16, 256, 1024])
+    if "heldout" in parts:
+        bench_heldout([0] if args.quick else [0, 1, 2])
 
 
 if __name__ == "__main__":

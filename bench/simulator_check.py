@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 
 from planner.offline.simulator import SimulationConfig, simulate_plan  # noqa: E402
 from planner.plan import Plan, Stage  # noqa: E402
+from planner.runtime import RuntimeSettings  # noqa: E402
 from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot  # noqa: E402
 
 WARMUP_SECONDS = 10.0
@@ -166,13 +167,13 @@ def predict(stages: dict[str, int], flops: list[float], *, num_steps: int, overh
     devices = tuple(Device(peer_id=p, flops=f, memory_bytes=2**40, is_reliable=True) for p, f in zip(peer_ids, flops))
     n = len(devices)
     links = LinkMatrix(latency_delay=np.full((n, n), LOOPBACK_LATENCY), bandwidth=np.full((n, n), LOOPBACK_BANDWIDTH))
-    snapshot = SwarmSnapshot(devices=devices, links=links, model=build_profile(num_stage0))
+    runtime = RuntimeSettings(max_in_flight_per_peer=MAX_IN_FLIGHT)  # the runtime's settings, as the planner sees them
+    snapshot = SwarmSnapshot(devices=devices, links=links, model=build_profile(num_stage0), runtime=runtime)
     plan = Plan(stages=(
         Stage(layer_start=0, layer_end=2, server_ids=tuple(p for p in peer_ids if stages[p] == 0)),
         Stage(layer_start=2, layer_end=4, server_ids=tuple(p for p in peer_ids if stages[p] == 1)),
     ))
-    config = SimulationConfig.murmuration(num_steps=num_steps, max_inflight_per_peer=MAX_IN_FLIGHT,
-                                          message_overhead_flops=overhead_flops)
+    config = SimulationConfig.murmuration(num_steps=num_steps, message_overhead_flops=overhead_flops)
     return simulate_plan(snapshot, plan, config, rng=np.random.default_rng(0)).throughput
 
 
