@@ -14,8 +14,14 @@ clock and no DHT round is involved, and a step costs one message per co-replica.
 
 When a batch closes (see :class:`swarm.stage.Stage`): stage 0 closes its batch when its share came
 back; a later stage closes batch ``b`` when a microbatch of ``b + 1`` arrives, when all of ``b``
-came through it, or when a co-replica's contribution for ``b`` arrives (that replica closed it, so
-stage 0 finished ``b``: no microbatch of ``b`` is still on its way here).
+came through it, when a co-replica's contribution for ``b`` arrives (that replica closed it, so
+stage 0 finished ``b``: no microbatch of ``b`` is still on its way here), or when every replica of
+the stage before said it closes ``b`` (a ``"closing"`` notice: each replica sends one to the next
+stage's replicas as it starts its exchange). A replica closes ``b`` only once every microbatch of
+``b`` it handled came back through it, and that microbatch had come through the next stage before;
+so the next stage can close at once. Without the notice it would wait for the first microbatch of
+``b + 1``, i.e. for this stage's whole exchange and step: on a 20 Mbit/s + 40 ms link the two
+exchanges (about 1.5 s each) ran one after the other in every step; now they overlap.
 
 Who is waited for: the stage's members in the view. A member that answers with a newer batch than
 ``b`` (it is ahead: this replica joined late or missed batches), that is gone, or whose contribution
@@ -161,6 +167,8 @@ class GradientSync:
         self._pushes: dict[str, asyncio.Task] = {}  # co-replica -> the push to it in flight
         self._queued: dict[str, tuple[int, dict, list[torch.Tensor]]] = {}  # co-replica -> the newest push waiting for it
         self._late: set[str] = set()  # co-replicas that missed their last deadline: waited for briefly
+        self._closing: dict[int, set[str]] = {}  # per batch: replicas of the stage before that said they close it
+        self._notices: set[asyncio.Task] = set()  # "closing" notices to the next stage on their way
         self.typical_wait: float | None = None  # smoothed seconds a whole exchange took
         # batches closed; of them, closed without some co-replica's contribution; with no co-replica known
         self.num_exchanges = self.num_partial = self.num_alone = self.num_outvoted = 0
@@ -173,7 +181,7 @@ class GradientSync:
     async def stop(self) -> None:
         self.stage.combine = self.stage.reconcile = None
         self._queued.clear()
-        for push in [*self._pushes.values(), *self._state_pushes]:
+        for push in [*self._pushes.values(), *self._state_pushes, *self._notices]:
             push.cancel()
         self._pushes.clear()
         try:
@@ -193,6 +201,7 @@ class GradientSync:
         (or until each is past the batch, gone, or silent for ``timeout``), and return the sum.
         ``weights``: the digest of the weights the contribution was computed on; contributions
         computed on other weights than this replica's are reconciled after the step (:meth:`reconcile`)."""
+        self._announce_closing(batch)
         members = self.co_replicas()
         if members:
             gradients, wire = self.encode(gradients)
@@ -270,6 +279,38 @@ class GradientSync:
             self._ahead.setdefault(batch, set()).add(peer_id)
             self.stage.note_batch(version, from_replica=False)
             self._arrived.set()
+
+    def _announce_closing(self, batch: int) -> None:
+        """Tell every replica of the next stage that this one closes ``batch`` (see the module docstring)."""
+        if self.stage.is_last:
+            return
+        handler = gradients_handler(self.stage.spec.namespace, self.stage.index + 1)
+        for record in self.view.members(self.stage.index + 1):
+            notice = asyncio.create_task(self._notify_closing(record.peer_id, handler, batch), name=f"closing-{batch}")
+            self._notices.add(notice)
+            notice.add_done_callback(self._notices.discard)
+
+    async def _notify_closing(self, peer_id: str, handler: str, batch: int) -> None:
+        try:
+            await call_peer(self.p2p, peer_id, handler, {"batch": batch, "kind": "closing"},
+                            timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
+        except (PeerUnavailableError, RemoteError) as e:  # it closes on the next batch's first microbatch then
+            logger.debug(f"closing notice of batch {batch} not delivered to {peer_id[-6:]}: {e}")
+
+    def _receive_closing(self, sender: str, batch: int) -> dict[str, Any]:
+        """A replica of the stage before closes ``batch``: once all of them did, so does this replica."""
+        if self.stage.is_first:
+            raise Declined("stage 0 has no stage before it")
+        before = {r.peer_id for r in self.view.members(self.stage.index - 1)}
+        if sender not in before:
+            raise Declined(f"{sender[-6:]} is not a replica of stage {self.stage.index - 1} here")
+        if not self.stage.version <= batch <= self.stage.version + 1:
+            return {"ok": True}  # a batch closed here already, or not begun: nothing to do (and nothing kept)
+        closing = self._closing.setdefault(batch, set())
+        closing.add(sender)
+        if batch == self.stage.version and before <= closing:
+            self.stage.request_close()
+        return {"ok": True}
 
     # --- reconciling replicas whose weights differ ------------------------------------------
 
@@ -374,6 +415,8 @@ class GradientSync:
         batch = header.get("batch")
         if type(batch) is not int or batch < 0:
             raise ProtocolError("batch must be a non-negative integer")
+        if header.get("kind") == "closing":  # from the stage before, not a co-replica
+            return self._receive_closing(sender, batch)
         if sender not in {r.peer_id for r in self.view.members(self.stage.index)}:
             raise Declined(f"{sender[-6:]} is not a replica of stage {self.stage.index} here")
         version = self.stage.version
@@ -408,6 +451,6 @@ class GradientSync:
         return {"ok": True}
 
     def _forget_before(self, batch: int) -> None:
-        for table in (self._received, self._ahead, self._weights, self._states, self._reconcile):
+        for table in (self._received, self._ahead, self._weights, self._states, self._reconcile, self._closing):
             for old in [b for b in table if b < batch - KEEP_BATCHES]:
                 del table[old]

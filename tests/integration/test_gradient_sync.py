@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
 import torch
 
 from dht.records import ModelSpec, PeerRecord, RunSpec
 from dht.registry import declare_peer
 from dht.wire import TRAFFIC
 from swarm.data import TokenSampler, load_corpus
-from swarm.gradient_sync import GradientSync
+from dht.rpc import RemoteError, call_peer
+from swarm.gradient_sync import GradientSync, gradients_handler
 from swarm.model import StageModel, next_token_loss
 from swarm.stage import GRAD_CLIP_NORM, Stage
 from swarm.trainer import Trainer
@@ -203,6 +205,48 @@ def test_replicas_that_computed_on_different_weights_hold_one_state_after_the_ba
             assert torch.equal(*states), f"the replicas differ after batch {batch}"
         assert joiner_sync.num_reconciled == 1 and holder_sync.num_reconciled == 0  # the older state took the newer
         for sync in (holder_sync, joiner_sync):
+            await sync.stop()
+
+    asyncio.run(main())
+
+
+TWO_STAGES = RunSpec(run_id="gsync2", model=ModelSpec(d_model=32, num_layers=2, num_heads=2, seq_len=16),
+                     stage_layers=((0, 1), (1, 2)), microbatch_size=4, target_batch_size=16)
+
+
+async def open_stage_replica(dht, validator, stage_index: int) -> GradientSync:
+    peer_id = dht.peer_id.to_base58()
+    assert await declare_peer(dht, validator, TWO_STAGES.run_id, PeerRecord(
+        peer_id=peer_id, role="reliable", state="training", stage=stage_index, flops=1e9), ttl=60)
+    sync = GradientSync(await dht.replicate_p2p(), SwarmView(dht, TWO_STAGES.run_id), Stage(TWO_STAGES, stage_index, device=CPU),
+                        peer_id=peer_id, timeout=TIMEOUT, max_payload_bytes=1 << 24)
+    await sync.start()
+    return sync
+
+
+def test_the_next_stage_closes_a_batch_once_every_replica_before_it_closes_it(dht_nodes):
+    """Stage 0's replica starts its exchange of batch 0 and says so to stage 1, which closes batch 0 at
+    once (its exchange overlaps stage 0's) instead of waiting for the first microbatch of batch 1; a
+    notice from a peer that is not a replica of stage 0 is declined and closes nothing."""
+    (dht0, _), (dht1, v1), (dht2, v2) = dht_nodes
+
+    async def main() -> None:
+        first, last = await open_stage_replica(dht1, v1, 0), await open_stage_replica(dht2, v2, 1)
+        outsider = await dht0.replicate_p2p()
+        async with asyncio.timeout(30):
+            while not (first.view.members(1) and last.view.members(0)):
+                await asyncio.gather(first.view.refresh(), last.view.refresh())
+                await asyncio.sleep(0.1)
+        with pytest.raises(RemoteError, match="not a replica of stage 0"):
+            await call_peer(outsider, last.peer_id, gradients_handler(TWO_STAGES.namespace, 1),
+                            {"batch": 0, "kind": "closing"}, timeout=TIMEOUT, max_payload_bytes=1 << 20)
+        assert first.stage.version == 0 and last.stage.version == 0
+        await first.stage.close_batch()
+        async with asyncio.timeout(30):
+            while last.stage.version < 1:
+                await asyncio.sleep(0.05)
+        assert first.stage.version == last.stage.version == 1 and last.num_exchanges == 1
+        for sync in (first, last):
             await sync.stop()
 
     asyncio.run(main())
