@@ -105,7 +105,8 @@ def process_kinds(peers: list, bootstrap) -> dict[str, list[int]]:
         for pid in descendants(peer.pid, table):
             kinds["p2pd" if table[pid].comm == "p2pd" else "peer_children"].append(pid)
     kinds["bootstrap"] = [bootstrap.pid, *descendants(bootstrap.pid, table)]
-    kinds["delay_line"] = [pid for pid, stat in table.items() if stat.comm == "delay_line"]
+    ours = set(descendants(os.getpid(), table))  # (not another run's delay line)
+    kinds["delay_line"] = [pid for pid in ours if table[pid].comm.startswith("delay_line")]  # delay_line-<hash>
     return kinds
 
 
