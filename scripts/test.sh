@@ -9,5 +9,7 @@ bash scripts/setup_network.sh  # nftables (and gcc, iproute2), for the emulated 
 # one another and on the network), so two side by side finish sooner (README, "Tests"); tests marked
 # xdist_group("netns") run one at a time on one worker while the other runs the rest (loadgroup; needs
 # pytest 8, pinned), and a file lock in tests/e2e/conftest.py holds them apart even where it does not
+# --tb=native: pytest 8.4's own traceback formatting hit a frame without a line number (tb_lineno None)
+# in a failing e2e test and crashed its worker with an INTERNALERROR, hiding the failure
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${MURMURATION_TEST_WORKERS:-2}" --dist loadgroup \
-    --durations=8 "$@"
+    --tb=native --durations=8 "$@"
