@@ -269,7 +269,7 @@ class Trainer:
         self.in_flight[task.mb_id] = task
         try:
             if self.router is None:  # a single-stage run: stage 0 is also the last
-                loss = await self._through_own_stage(task)
+                loss, _ = await stage.forward_loss_backward(task.inputs, task.targets)
                 route = [[self.peer_id, 0, stage.version]]
             else:
                 reply = await self._through_pipeline(task)
@@ -282,19 +282,6 @@ class Trainer:
         self.on_microbatch({"mb_id": task.mb_id, "loss": loss, "route": route, "samples": batch_size,
                             "tokens": batch_size * stage.spec.model.seq_len, "attempts": task.attempt + 1,
                             "seconds": time.monotonic() - started, "window": self.window})
-        return loss
-
-    async def _through_own_stage(self, task: Task) -> float:
-        """``task`` through a single-stage run's one stage; its loss. Weights that give non-finite
-        gradients (diverged, or pushed there: a replica with bad updates alone in its stage in
-        tests/e2e/test_byzantine.py) refuse the microbatch, which waits for a replay, never a crash:
-        an averaging round with healthy replicas may repair the weights meanwhile."""
-        try:
-            loss, _ = await self.stage.forward_loss_backward(task.inputs, task.targets)
-        except ValueError as e:
-            logger.warning(f"microbatch {task.mb_id} refused by this stage's own weights ({e}): replayed later")
-            self.pool.put_back(task, str(e))
-            raise NoPeerAvailableError(f"microbatch {task.mb_id}: this stage's weights give non-finite gradients") from e
         return loss
 
     async def _through_pipeline(self, task: Task) -> dict[str, Any]:
