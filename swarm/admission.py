@@ -5,10 +5,12 @@ before it (stage 0's peers own the data and feed stage 1; nobody feeds stage 0),
 rate. Anybody else is refused before a byte of its request is read, with a reason and a count.
 
 The check is a set lookup (``SwarmView.peers_at``, rebuilt once per view read), not a DHT read per
-call. A sender missing from it may have joined since the last read, so once per ``recheck_age``
-seconds at most an unknown sender makes the view read the DHT again (callers share the read) before
-the refusal stands: an honest newcomer declared its record before its first microbatch
-(``peer.lifecycle``), so the read finds it.
+call. A sender missing from it may have joined since the last read, so an unknown sender waits for
+a DHT read that began after its request arrived before the refusal stands (callers share the read,
+and reads for this start at most one per ``recheck_age`` seconds, so a flood of strangers costs one
+read per ``recheck_age``): an honest newcomer declared its record before its first microbatch
+(``peer.lifecycle``), so the read finds it. (A read that only had to be younger than ``recheck_age``
+missed a newcomer whose record landed just after it: tests/e2e/test_compression.py, CI 2026-11-27.)
 
 Being in the records is not a strong credential in an open swarm (anybody may publish a record that
 claims stage k - 1 under its own bound identity; ``docs/security.md``); the rate limit bounds what
@@ -21,9 +23,10 @@ unanswered: ``swarm.stage_server``'s tarpit) while an honest newcomer turned awa
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from dht.reputation import Reputation
 from swarm.view import SwarmView
@@ -71,8 +74,10 @@ class Admission:
 
     def __init__(self, view: SwarmView, stage: int, *, max_per_second: float = MAX_FORWARDS_PER_SECOND,
                  recheck_age: float = RECHECK_AGE, reputation: Reputation | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.view, self.stage, self.recheck_age, self.reputation = view, stage, recheck_age, reputation
+        self.clock, self.sleep = clock, sleep
         self.limit = RateLimit(max_per_second, burst=2 * max_per_second, clock=clock) if max_per_second > 0 else None
         self.refused: collections.Counter[str] = collections.Counter()  # reason code -> requests refused
         self._turned_away: collections.OrderedDict[str, int] = collections.OrderedDict()  # sender -> refusals
@@ -84,7 +89,7 @@ class Admission:
         """"" if ``sender`` may push a request now, else the refusal's code (counted in :attr:`refused`)."""
         if not self.is_member(sender):
             if self.stage > 0:
-                await self.view.fresh(self.recheck_age)
+                await self.view.read_since(self.clock(), min_interval=self.recheck_age, sleep=self.sleep)
             if not self.is_member(sender):
                 return self._turn_away(sender, NOT_MEMBER)
         if self.limit is not None and not self.limit.allow(sender):

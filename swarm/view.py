@@ -20,7 +20,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import hivemind
 
@@ -63,6 +63,8 @@ class SwarmView:
         self.layout_version = 0
         self.stage_layers: tuple[tuple[int, int], ...] = ()  # of a re-planned layout (version > 0)
         self.updated_at = 0.0
+        self.read_started_at = -math.inf  # when the read that made the view began (``read_since``)
+        self._paced_at = -math.inf  # when the last read for ``read_since`` began
         # refreshes in a row that finished before SLOW_READ: a read that waited out a DHT timeout may
         # have missed records that exist (a peer on a slow or cut link), so its absences prove nothing
         self.complete_reads = 0
@@ -112,7 +114,7 @@ class SwarmView:
             self.on_change("scale_out", after[key])
         for key in before.keys() - after.keys():
             self.on_change("scale_in", before[key])
-        self.updated_at = now
+        self.updated_at, self.read_started_at = now, now - seconds
         live = {r.peer_id for r in self.records}
         self._departed = {p: at for p, at in self._departed.items() if p in live}  # its record expired: forget
         return self.records
@@ -139,17 +141,28 @@ class SwarmView:
             self._indexed = self.records
         return self._by_stage.get(stage, frozenset())
 
-    async def fresh(self, max_age: float) -> None:
-        """Read the DHT now unless the view is at most ``max_age`` seconds old; concurrent callers
-        share one read, and a failed read leaves the view as it was."""
-        if self.clock() - self.updated_at <= max_age:
-            return
-        if self._pending_read is None or self._pending_read.done():
-            self._pending_read = asyncio.ensure_future(self.refresh())
-        try:
-            await asyncio.shield(self._pending_read)
-        except Exception as e:
-            logger.debug(f"an extra read of the swarm view failed: {e!r}")
+    async def read_since(self, at: float, *, min_interval: float,
+                         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """Wait for a DHT read that started at ``at`` (this view's clock) or later: a record stored
+        just before ``at`` is then in the view. Reads start at most one per ``min_interval`` seconds
+        (the rest of the interval is slept first), concurrent callers share them, at most two are
+        awaited, and a failed read leaves the view as it was."""
+        for _ in range(2):
+            if self.read_started_at >= at:
+                return
+            if self._pending_read is None or self._pending_read.done():
+                self._pending_read = asyncio.ensure_future(self._paced_read(min_interval, sleep))
+            try:
+                await asyncio.shield(self._pending_read)
+            except Exception as e:
+                logger.debug(f"an extra read of the swarm view failed: {e!r}")
+
+    async def _paced_read(self, min_interval: float, sleep: Callable[[float], Awaitable[None]]) -> None:
+        wait = self._paced_at + min_interval - self.clock()
+        if wait > 0:
+            await sleep(wait)
+        self._paced_at = self.clock()
+        await self.refresh()
 
     def members(self, stage: int, *, states: tuple[str, ...] = ("training",)) -> list[PeerRecord]:
         return [r for r in self.records if r.stage == stage and r.state in states and not self._has_departed(r)]

@@ -62,23 +62,46 @@ def test_an_unknown_sender_is_looked_up_once_more_and_a_newcomer_is_found():
     assert view.num_reads == 1
 
 
-def test_a_flood_of_strangers_costs_at_most_one_read_per_recheck_age():
-    clock = FakeClock(10.0)
+def fake_sleep(clock: FakeClock, slept: list[float]):
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.advance(seconds)
+    return sleep
+
+
+def test_a_newcomer_whose_record_lands_just_after_a_read_is_found_by_the_next():
+    """CI 2026-11-27: stage 1 read the view, stage 0's newcomer stored its record a moment later and
+    sent its first microbatch within the recheck age: it waits for a read that began after it came."""
+    clock, slept = FakeClock(10.0), []
     view = ScriptedView(clock, [record("old", 0)])
-    gate = Admission(view, 1, recheck_age=0.5, clock=clock)
+    gate = Admission(view, 1, recheck_age=0.5, clock=clock, sleep=fake_sleep(clock, slept))
+
+    async def main() -> None:
+        clock.advance(0.05)
+        assert await gate.check("stranger") == NOT_MEMBER  # one more read, at 10.05, did not show it
+        clock.advance(0.05)
+        view.reads = [[record("old", 0), record("new", 0)]]  # the newcomer stored its record since
+        assert await gate.check("new") == ""
+
+    asyncio.run(main())
+    assert view.num_reads == 2 and slept == [pytest.approx(0.45)]  # the second read waited out the recheck age
+
+
+def test_a_flood_of_strangers_costs_at_most_one_read_per_recheck_age():
+    clock, slept = FakeClock(10.0), []
+    view = ScriptedView(clock, [record("old", 0)])
+    gate = Admission(view, 1, recheck_age=0.5, clock=clock, sleep=fake_sleep(clock, slept))
 
     async def flood(count: int) -> list[str]:
         return await asyncio.gather(*(gate.check(f"stranger{n}") for n in range(count)))
 
     clock.advance(1.0)
     assert set(asyncio.run(flood(100))) == {NOT_MEMBER}
-    assert view.num_reads == 1  # the view is fresh again: the other 99 are refused from the set
+    assert view.num_reads == 1 and not slept  # one read, shared by all 100
     clock.advance(0.4)
-    asyncio.run(flood(100))
-    assert view.num_reads == 1
-    clock.advance(0.2)
-    asyncio.run(flood(100))
-    assert view.num_reads == 2
+    assert set(asyncio.run(flood(100))) == {NOT_MEMBER}
+    assert view.num_reads == 2 and slept == [pytest.approx(0.1)]  # the next read waited for its turn
+    assert clock() == pytest.approx(11.5)
 
 
 def test_a_member_over_its_rate_is_limited_and_recovers():
