@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 LEAVE_TIMEOUT = 10.0
 GRADIENT_SYNC_TIMEOUT = 10.0  # seconds a replica waits for a silent co-replica's gradients before stepping without
 PAUSE_FILE_PERIOD = 0.5
+FIRST_STATUS_AFTER = 1.0  # seconds from the start of training to the first status line (then every --status-period)
 # before a rescue, the stage's last holders are pinged this many times, each answer awaited this long:
 # generous, as the link to a live holder whose record went missing may be slow (1 Mbit/s in the e2e test)
 RESCUE_CHECK_ATTEMPTS = 2
@@ -159,6 +160,7 @@ class StageSession:
                                       on_outliers=lambda report: self._on_stage_event("averaging_outliers", **report),
                                       on_discard=lambda at, size, members: self._on_stage_event(
                                           "averaging_dropped", at=at, group_size=size, num_members=members))
+        self.detector.busy_since = self.averager.exchanged_since  # no silence verdicts across its own rounds
         self.averager.loaded_from(stage.loaded_from, dht_time())
         stage.loaded_from = ()  # once: a later session of this replica shares its state with nobody yet
         if stage.is_first:
@@ -333,11 +335,14 @@ class StageSession:
                         rng=random.Random(f"heartbeat:{self.ctx.peer_id}")).run(self._stop)
 
     async def _status_loop(self) -> None:
-        """A log line and a ``status`` event every ``--status-period`` seconds."""
+        """A log line and a ``status`` event every ``--status-period`` seconds, the first one sooner
+        (FIRST_STATUS_AFTER): whoever watches the log or the events learns at once that it trains."""
         view, spec, config = self.ctx.view, self.spec, self.ctx.config
         last_samples, last_time = 0, self.ctx.clock()
+        period = min(FIRST_STATUS_AFTER, config.status_period)
         while not self._stop.is_set():
-            await asyncio.sleep(config.status_period)
+            await asyncio.sleep(period)
+            period = config.status_period
             counters, now = self.stage.counters, self.ctx.clock()
             tokens_per_s = (counters.num_samples - last_samples) * spec.model.seq_len / (now - last_time)
             last_samples, last_time = counters.num_samples, now

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import math
 import signal
+import time
 from collections.abc import Callable, Iterable
 
 import hivemind
@@ -114,6 +115,8 @@ class StageAverager:
         self._initial: dict[str, torch.Tensor] | None = None  # the run seed's parameters (the plausibility check)
         self.anchors = PairAnchors()  # where each partner's state and this one's last were one (the pair check)
         self._warned_pair = False  # said once that a round of two cannot out-vote
+        # monotonic (start, end) of the last all-reduce, end None while it runs (``exchanged_since``)
+        self.round_span: tuple[float, float | None] | None = None
         # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
         # parameters that sum is exact in float64, and every replica rounds the same float64 average.
@@ -159,6 +162,12 @@ class StageAverager:
             await self.run_round(at, stop)
             self.report_outliers()
 
+    def exchanged_since(self, since: float) -> bool:
+        """Whether an all-reduce of this stage ran at some moment after ``since`` (monotonic): its
+        megabytes then fill this peer's link, and what else crosses it (a ping) waits behind them."""
+        span = self.round_span
+        return span is not None and (span[1] is None or span[1] >= since)
+
     def active_members(self, now: float, group: Iterable[str] = ()) -> int:
         """Replicas of this stage that averaged with this peer in the last ``ACTIVE_ROUNDS`` periods
         and are still in the view, this peer and this round's ``group`` included. A peer that only
@@ -197,11 +206,15 @@ class StageAverager:
         async with self.stage.paused():
             await self.stage.run(self._copy_in)
             control.allow_allreduce()
+            started = time.monotonic()
+            self.round_span = (started, None)
             try:
                 group = await asyncio.wait_for(asyncio.wrap_future(control), timeout=self.allreduce_timeout + 5)
             except Exception as e:
                 logger.info(f"averaging round at {at:.0f} failed: {e!r}")
                 group = None
+            finally:
+                self.round_span = (started, time.monotonic())
             if not group:
                 self.num_failed_rounds += 1
                 return False

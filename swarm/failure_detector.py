@@ -14,13 +14,21 @@ on a busy one; and never shorter than the link's retransmission timeout (``srtt 
 pings' own round trips, ``swarm.links``), so a link whose queue fills with activations stretches the
 deadline instead of failing it. A ping that misses its deadline is a strike but keeps waiting, up to
 twice the deadline (the first ping to a peer, which may have to open the connection, at least
-``FIRST_PING_DEADLINE``): an answer clears the strike and teaches the estimate the new round trip; no
-answer by then is a second strike. ``max_failed_pings`` (2) strikes in a row, missed or refused
+``FIRST_PING_DEADLINE``), and at least ``acceptable_pause`` past the deadline (Akka's name for it;
+3 s, its cluster default): an answer clears the strike and teaches the estimate the new round trip; no
+answer by then is a second strike. The pause is for the queues of home links: when a stage's
+replicas average, their uplinks carry megabytes at once, and a ping waits behind them for seconds
+(20 Mbit/s with 40 ms, tests/e2e/test_internet.py: pings 2-4 s late at the round times, and peers
+declared each other down there and "back" a second later, CI 2026-11-27). The first strike already
+routes around the silent peer (``on_link``); only the verdict waits. ``max_failed_pings`` (2) strikes in a row, missed or refused
 outright (the peer's daemon is gone), declare the neighbour down. No strike counts while this peer
 itself stalled (its own ticks came late: a busy host), so an overloaded observer does not declare
 all its neighbours dead, nor while anything else of the neighbour arrived (activations, answers,
 ``LinkMeter.heard``): on a congested link a ping queues behind those bytes, and a peer whose bytes
-keep coming is alive.
+keep coming is alive. Nor while this peer's own averaging round ran (``busy_since``): every stage's
+replicas average at the same clock times, and a round's megabytes fill this peer's link and its
+partners' (CI 2026-11-27, 20 Mbit/s + 40 ms: a ping to an averaging partner waited behind the round
+on their shared connection for over 4 s, past the acceptable pause).
 
 A peer that declares a neighbour down tells the peers in its view (gossip, :mod:`swarm.membership`);
 a receiver does not take the word of a stranger for it but pings the named peer once itself, so a
@@ -50,6 +58,7 @@ VOUCH_WINDOW = 5.0  # seconds after its last answered ping that a neighbour coun
 # the first ping to a peer may open the connection (TCP, multistream, noise, yamux: 5-6 round trips,
 # over a second at a home link's 150-300 ms): until a round trip is measured, it gets this long
 FIRST_PING_DEADLINE = 2.0
+ACCEPTABLE_PAUSE = 3.0  # seconds past its deadline that an unanswered ping still waits before the second strike
 
 
 class PhiAccrual:
@@ -111,11 +120,16 @@ class FailureDetector:
         min_std: float = 0.1,
         on_link: Callable[[str, str], None] = lambda kind, peer_id: None,
         links: LinkMeter | None = None,
+        acceptable_pause: float = ACCEPTABLE_PAUSE,
     ) -> None:
         self.p2p, self.view, self.peer_id, self.stage, self.handler = p2p, view, peer_id, stage, handler
         self.on_down, self.ping_period, self.threshold = on_down, ping_period, threshold
         self.max_failed_pings, self.min_std, self.on_link = max_failed_pings, min_std, on_link
         self.links = links if links is not None else LinkMeter()
+        self.acceptable_pause = acceptable_pause
+        # whether this peer's link was busy with a bulk exchange of its own at some moment since the
+        # given monotonic time (the session points it at its averager's ``exchanged_since``)
+        self.busy_since: Callable[[float], bool] = lambda since: False
         self.monitors: dict[str, PhiAccrual] = {}
         self._failed: collections.Counter = collections.Counter()
         self._pinging: dict[str, asyncio.Task] = {}
@@ -233,11 +247,12 @@ class FailureDetector:
 
     async def _ping(self, peer_id: str, deadline: float) -> None:
         """One ping. Past ``deadline`` it is a strike (unless this peer stalled or heard from the other
-        meanwhile) but goes on waiting up to twice that: an answer clears the strike and teaches the
-        link's round-trip estimate its queue; no answer by then is a second strike (down)."""
+        meanwhile) but goes on waiting, up to twice that and at least ``acceptable_pause`` more: an
+        answer clears the strike and teaches the link's round-trip estimate its queue; no answer by
+        then is a second strike (down)."""
         started = time.monotonic()
         self.num_pings += 1
-        ping = asyncio.ensure_future(self._ping_once(peer_id, 2 * deadline))
+        ping = asyncio.ensure_future(self._ping_once(peer_id, deadline + max(deadline, self.acceptable_pause)))
         try:
             done, _ = await asyncio.wait({ping}, timeout=deadline)
             if not done and self._counts_as_silence(peer_id, started) and self._strike(peer_id):
@@ -262,10 +277,11 @@ class FailureDetector:
 
     def _counts_as_silence(self, peer_id: str, since: float) -> bool:
         """A ping unanswered since ``since`` says something only if this peer did not stall meanwhile
-        (its own ticks came on time) and nothing else of the other peer arrived (activations, answers:
-        a ping waits behind the same bytes on a congested link)."""
+        (its own ticks came on time), nothing else of the other peer arrived (activations, answers:
+        a ping waits behind the same bytes on a congested link), and this peer's link carried no bulk
+        exchange of its own (an averaging round)."""
         stalled = self._stalled_at >= since or time.monotonic() - self._last_tick > STALL_FACTOR * self.ping_period
-        return not stalled and not self.links.heard_since(peer_id, since)
+        return not stalled and not self.links.heard_since(peer_id, since) and not self.busy_since(since)
 
     def _strike(self, peer_id: str) -> bool:
         """Count a missed or refused ping; True if that made ``peer_id`` down."""

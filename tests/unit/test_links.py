@@ -4,6 +4,7 @@ the failure detector's use of them: a slow or congested link is not a dead peer.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -136,7 +137,7 @@ def test_a_ping_answered_after_its_deadline_clears_its_strike_and_stretches_the_
 
 def test_a_ping_never_answered_is_two_strikes_and_a_refused_pair_is_too():
     async def scenario():
-        detector = ScriptedDetector()
+        detector = ScriptedDetector(acceptable_pause=0.0)
         detector.monitors["b"] = PhiAccrual()
         await detector._ping("b", 0.02)  # nobody answers: a strike at 0.02 s, the second at 0.04 s
         assert detector.downs == ["b"] and "b" not in detector._pinging
@@ -148,9 +149,28 @@ def test_a_ping_never_answered_is_two_strikes_and_a_refused_pair_is_too():
     asyncio.run(scenario())
 
 
+def test_a_ping_late_by_less_than_the_acceptable_pause_is_no_down_and_a_longer_silence_is():
+    """A home link's queue (a stage's averaging round) holds a ping for seconds: past twice its
+    deadline it still waits out the acceptable pause before the second strike."""
+    async def scenario():
+        detector = ScriptedDetector(acceptable_pause=0.3)
+        detector.monitors["b"] = PhiAccrual()
+        ping = asyncio.create_task(detector._ping("b", 0.02))
+        await _until(lambda: detector._failed["b"] == 1, "the strike at the deadline")
+        await asyncio.sleep(0.1)  # well past twice the deadline, within the pause
+        assert not detector.downs and not ping.done()
+        await detector.answers.put("answered")
+        await ping
+        assert detector._failed["b"] == 0 and not detector.downs
+        started = time.monotonic()
+        await detector._ping("b", 0.02)  # now nobody answers: down once the pause is out
+        assert detector.downs == ["b"] and time.monotonic() - started >= 0.3
+    asyncio.run(scenario())
+
+
 def test_a_silent_ping_is_no_strike_while_other_traffic_of_that_peer_arrives():
     async def scenario():
-        detector = ScriptedDetector()
+        detector = ScriptedDetector(acceptable_pause=0.0)
         detector.monitors["b"] = PhiAccrual()
         ping = asyncio.create_task(detector._ping("b", 0.05))
         await _until(lambda: detector.num_pings == 1, "the ping to leave")
@@ -171,3 +191,22 @@ def test_a_peer_nobody_can_dial_is_not_pinged_its_record_tells_instead():
     detector.view.records.append(PeerRecord(peer_id="me", role="reliable", state="training", stage=0, flops=1e9,
                                             reachability="relayed"))
     assert detector.neighbours() == {"same"}
+
+
+def test_no_silence_verdict_while_this_peer_ran_an_averaging_round():
+    """A round's megabytes fill this peer's link and its partners': a ping late across it is no strike
+    (CI 2026-11-27: a ping to an averaging partner waited over 4 s behind their round)."""
+    async def scenario():
+        detector = ScriptedDetector(acceptable_pause=0.0)
+        round_spans: list[tuple[float, float]] = []
+        detector.busy_since = lambda since: any(end >= since for _, end in round_spans)
+        detector.monitors["b"] = PhiAccrual()
+        ping = asyncio.create_task(detector._ping("b", 0.02))
+        await _until(lambda: detector.num_pings == 1, "the ping to leave")
+        round_spans.append((time.monotonic(), time.monotonic()))  # a round ran while the ping waited
+        await ping
+        assert detector._failed["b"] == 0 and not detector.downs
+        await asyncio.sleep(0.01)  # after the round: silence counts again
+        await detector._ping("b", 0.02)
+        assert detector.downs == ["b"]
+    asyncio.run(scenario())
