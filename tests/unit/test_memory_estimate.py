@@ -26,6 +26,9 @@ from peer.memory_model import (FIXED_OVERHEAD_BYTES, memory_table, stage_bound_b
 from swarm.presets import PRESETS, preset
 from swarm.stage import Stage
 
+# one worker runs the module, so its module-scoped measurement runs once (split over two workers, it
+# ran on both: 83 s each in a CI rehearsal)
+pytestmark = pytest.mark.xdist_group("memory_estimate")
 TOLERANCE = 0.15
 MEASURED = [(name, microbatch_size, stage, checkpointing, "fp32") for name, microbatch_size in (("tiny", 16), ("small", 2))
             for stage in (0, 1) for checkpointing in (False, True)] + [("tiny", 16, 0, True, "bf16"), ("small", 2, 0, False, "bf16")]
