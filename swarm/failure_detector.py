@@ -247,19 +247,27 @@ class FailureDetector:
 
     async def _ping(self, peer_id: str, deadline: float) -> None:
         """One ping. Past ``deadline`` it is a strike (unless this peer stalled or heard from the other
-        meanwhile) but goes on waiting, up to twice that and at least ``acceptable_pause`` more: an
-        answer clears the strike and teaches the link's round-trip estimate its queue; no answer by
-        then is a second strike (down)."""
+        meanwhile) but goes on waiting, up to twice that and at least ``acceptable_pause`` more, with a
+        second ping beside it: an answer to either clears the strike and teaches the link's round-trip
+        estimate its queue; no answer by then is a second strike (down)."""
         started = time.monotonic()
         self.num_pings += 1
-        ping = asyncio.ensure_future(self._ping_once(peer_id, deadline + max(deadline, self.acceptable_pause)))
+        wait = deadline + max(deadline, self.acceptable_pause)
+        pings = [asyncio.ensure_future(self._ping_once(peer_id, wait))]
         try:
-            done, _ = await asyncio.wait({ping}, timeout=deadline)
-            if not done and self._counts_as_silence(peer_id, started) and self._strike(peer_id):
-                return  # declared down
-            outcome = await ping
+            done, _ = await asyncio.wait(pings, timeout=deadline)
+            if not done:
+                if self._counts_as_silence(peer_id, started) and self._strike(peer_id):
+                    return  # declared down
+                # a second ping on a stream of its own: the first may be stuck on a connection that two
+                # peers dialling each other at once opened twice and then closed (two stage-0 peers,
+                # seconds old, declared each other down while others heard both: CI rehearsal 2026-11-27)
+                self.num_pings += 1
+                pings.append(asyncio.ensure_future(self._ping_once(peer_id, wait - deadline)))
+            outcome = await _first_answer(pings)
         finally:
-            ping.cancel()
+            for ping in pings:
+                ping.cancel()
             if self._pinging.get(peer_id) is asyncio.current_task():
                 del self._pinging[peer_id]
         monitor = self.monitors.get(peer_id)
@@ -295,3 +303,15 @@ class FailureDetector:
         logger.info(f"{peer_id[-6:]} missed or refused {self._failed[peer_id]} pings in a row: down")
         self.declare_down(peer_id, "detector")
         return True
+
+
+async def _first_answer(pings: list[asyncio.Future]) -> str:
+    """"answered" as soon as one of ``pings`` is answered; else, once all ended, "refused" if one was."""
+    outcomes: list[str] = []
+    pending = set(pings)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        outcomes += [task.result() for task in done]
+        if "answered" in outcomes:
+            return "answered"
+    return "refused" if "refused" in outcomes else "late"

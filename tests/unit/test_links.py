@@ -210,3 +210,27 @@ def test_no_silence_verdict_while_this_peer_ran_an_averaging_round():
         await detector._ping("b", 0.02)
         assert detector.downs == ["b"]
     asyncio.run(scenario())
+
+
+def test_a_ping_stuck_on_its_stream_is_answered_by_a_second_one_on_a_fresh_stream():
+    """Past the deadline a second ping goes out beside the first (which may be stuck on a connection
+    two peers opened to each other at once): its answer clears the strike."""
+    class StuckFirst(ScriptedDetector):
+        calls = 0
+
+        async def _ping_once(self, peer_id: str, timeout: float) -> str:
+            StuckFirst.calls += 1
+            if StuckFirst.calls == 1:
+                await asyncio.sleep(timeout)  # never answered
+                return "late"
+            return "answered"
+
+    async def scenario():
+        detector = StuckFirst(acceptable_pause=5.0)
+        detector.monitors["b"] = PhiAccrual()
+        started = time.monotonic()
+        await detector._ping("b", 0.05)
+        assert StuckFirst.calls == 2 and detector.num_pings == 2
+        assert detector._failed["b"] == 0 and not detector.downs
+        assert time.monotonic() - started < 5.0  # the answer came, not the end of the pause
+    asyncio.run(scenario())
