@@ -9,7 +9,9 @@ call. A sender missing from it may have joined since the last read, so an unknow
 a DHT read that began after its request arrived before the refusal stands (callers share the read,
 and reads for this start at most one per ``recheck_age`` seconds, so a flood of strangers costs one
 read per ``recheck_age``): an honest newcomer declared its record before its first microbatch
-(``peer.lifecycle``), so the read finds it. (A read that only had to be younger than ``recheck_age``
+(``peer.lifecycle``), so the read finds it. A sender turned away before waits for no read again (the
+view's own refresh, every second, finds a newcomer that was refused once): a stranger that keeps
+pushing is refused at once, and earns its strikes at the rate it pushes. (A read that only had to be younger than ``recheck_age``
 missed a newcomer whose record landed just after it: tests/e2e/test_compression.py, CI 2026-11-27.)
 
 Being in the records is not a strong credential in an open swarm (anybody may publish a record that
@@ -88,7 +90,7 @@ class Admission:
     async def check(self, sender: str) -> str:
         """"" if ``sender`` may push a request now, else the refusal's code (counted in :attr:`refused`)."""
         if not self.is_member(sender):
-            if self.stage > 0:
+            if self.stage > 0 and sender not in self._turned_away:  # once per sender: a refused one waits no more
                 await self.view.read_since(self.clock(), min_interval=self.recheck_age, sleep=self.sleep)
             if not self.is_member(sender):
                 return self._turn_away(sender, NOT_MEMBER)

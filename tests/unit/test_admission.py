@@ -92,14 +92,14 @@ def test_a_flood_of_strangers_costs_at_most_one_read_per_recheck_age():
     view = ScriptedView(clock, [record("old", 0)])
     gate = Admission(view, 1, recheck_age=0.5, clock=clock, sleep=fake_sleep(clock, slept))
 
-    async def flood(count: int) -> list[str]:
-        return await asyncio.gather(*(gate.check(f"stranger{n}") for n in range(count)))
+    async def flood(count: int, name: str) -> list[str]:
+        return await asyncio.gather(*(gate.check(f"{name}{n}") for n in range(count)))
 
     clock.advance(1.0)
-    assert set(asyncio.run(flood(100))) == {NOT_MEMBER}
+    assert set(asyncio.run(flood(100, "stranger"))) == {NOT_MEMBER}
     assert view.num_reads == 1 and not slept  # one read, shared by all 100
     clock.advance(0.4)
-    assert set(asyncio.run(flood(100))) == {NOT_MEMBER}
+    assert set(asyncio.run(flood(100, "other"))) == {NOT_MEMBER}
     assert view.num_reads == 2 and slept == [pytest.approx(0.1)]  # the next read waited for its turn
     assert clock() == pytest.approx(11.5)
 
@@ -157,3 +157,20 @@ def test_a_sender_that_keeps_pushing_after_refusals_earns_strikes_and_a_ban():
     assert reputation.num_strikes_of("newcomer") == 0
     asyncio.run(send("flooder", 8 * TURNED_AWAY_PER_STRIKE))
     assert reputation.is_banned("flooder") and not reputation.is_banned("newcomer")
+
+
+def test_a_sender_turned_away_once_waits_for_no_read_again():
+    """Its first request waits for a read; the ones after are refused at once from the view (whose
+    own refresh finds a newcomer refused once), so a flood is refused as fast as it comes."""
+    clock, slept = FakeClock(10.0), []
+    view = ScriptedView(clock, [record("old", 0)])
+    gate = Admission(view, 1, recheck_age=0.5, clock=clock, sleep=fake_sleep(clock, slept))
+
+    async def send(count: int) -> list[str]:
+        return [await gate.check("stranger") for _ in range(count)]
+
+    clock.advance(1.0)
+    assert asyncio.run(send(100)) == [NOT_MEMBER] * 100
+    assert view.num_reads == 1 and not slept and clock() == 11.0
+    view.apply_read([record("old", 0), record("stranger", 0)], seconds=0.0)  # the view's own refresh
+    assert asyncio.run(send(1)) == [""]
