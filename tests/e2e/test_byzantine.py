@@ -1,5 +1,10 @@
 """A Byzantine replica among three, joining first, second or last: the honest loss stays within 5% of a clean run's.
 
+Within 5 % above it: what the attack must not do is push the honest loss up. The honest pair may end
+lower than the clean pair by more than that, as two runs of the same pair do at this length (early,
+where the loss still falls fast: 2.2017 against 2.3255 for the "first" run at microbatch 516, a CI
+rehearsal on 2026-11-27), and a two-sided bound failed on that noise.
+
 Three real swarms of run_peer.py processes, one after the other, with the same run spec and seed: a
 single stage held by three replicas that average every few seconds. In the first two, one replica is
 Byzantine (``MURMURATION_INJECT_FAULTS=scale_updates=100``, test-only): each of its optimizer steps moves its
@@ -181,7 +186,7 @@ def check_out_voted_when_last(honest: list, bad, clean_peers: list, end: int) ->
     print(summary)
     # the first rounds also settle the start (robust rounds clip a replica that trained alone longest)
     assert rounds_before(honest[0], end - WINDOW) >= SETTLE_ROUNDS, "too few rounds with the Byzantine replica: " + summary
-    assert abs(byzantine_loss - clean_loss) <= 0.05 * clean_loss, summary
+    assert byzantine_loss <= 1.05 * clean_loss, summary  # derailed: more than 5 % above the clean run's
 
     # the honest reducers out-voted the Byzantine replica round after round, more than anyone else
     # (an honest replica is out-voted now and then too: the one that trained alone before the others
@@ -214,7 +219,7 @@ def check_refused_when_first(honest: list, bad, clean_peers: list, end: int) -> 
                f"states refused {[len(p.events('state_refused')) for p in honest]}, rounds dropped "
                f"{[len(p.events('averaging_dropped')) for p in honest]}")
     print(summary)
-    assert abs(loss - clean_loss) <= 0.05 * clean_loss, summary
+    assert loss <= 1.05 * clean_loss, summary  # derailed: more than 5 % above the clean run's
     bad_id = bad.events("joined")[0]["peer_id"]
     # no honest peer loaded the Byzantine replica's state: the first, offered nothing else, refused it
     assert not any(bad_id in e["donors"] for p in honest for e in p.events("state_download")), summary
@@ -238,7 +243,7 @@ def check_dropped_when_second(honest: list, bad, clean_peers: list, end: int) ->
                f"{[len(p.events('averaging_dropped')) for p in honest]}, group sizes "
                f"{[[e['group_size'] for e in p.events('averaged')] for p in honest]}")
     print(summary)
-    assert abs(loss - clean_loss) <= 0.05 * clean_loss, summary
+    assert loss <= 1.05 * clean_loss, summary  # derailed: more than 5 % above the clean run's
     # the first honest replica dropped its pair rounds with the Byzantine one on the pair bound
     assert "pair bound:" in logs[0], summary
     assert honest[0].events("averaging_dropped"), summary
