@@ -150,8 +150,11 @@ class Trainer:
             if self.is_paused:
                 await asyncio.sleep(PAUSE_POLL_PERIOD)
                 continue
-            if self._slots is not None and not self._slots and not len(self.pool):
-                return  # flush: this batch is drawn and nothing of it waits for a replay
+            if self._slots is not None and not self._slots and not len(self.pool) and not self.in_flight:
+                # flush: this batch is drawn and nothing of it waits for a replay, nor may come back as
+                # one (a lane that left while another's call was out left that one's replay to lanes
+                # beyond a window shrunk to 1: the batch waited until the peer left, ci33 2026-11-27)
+                return
             if lane >= self.window:  # beyond the flow window: wait until it grows (or the batch ends)
                 await self._wait_window_change()
                 continue
