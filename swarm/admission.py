@@ -11,8 +11,9 @@ and reads for this start at most one per ``recheck_age`` seconds, so a flood of 
 read per ``recheck_age``): an honest newcomer declared its record before its first microbatch
 (``peer.lifecycle``), so the read finds it. A sender turned away before waits for no read again (the
 view's own refresh, every second, finds a newcomer that was refused once): a stranger that keeps
-pushing is refused at once, and earns its strikes at the rate it pushes. (A read that only had to be younger than ``recheck_age``
-missed a newcomer whose record landed just after it: tests/e2e/test_compression.py, CI 2026-11-27.)
+pushing is refused at once, and earns its strikes at the rate it pushes. (A read that only had to be
+younger than ``recheck_age`` missed a newcomer whose record landed just after it:
+tests/e2e/test_compression.py, CI 2026-11-27.)
 
 Being in the records is not a strong credential in an open swarm (anybody may publish a record that
 claims stage k - 1 under its own bound identity; ``docs/security.md``); the rate limit bounds what

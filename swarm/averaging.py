@@ -115,8 +115,7 @@ class StageAverager:
         self._initial: dict[str, torch.Tensor] | None = None  # the run seed's parameters (the plausibility check)
         self.anchors = PairAnchors()  # where each partner's state and this one's last were one (the pair check)
         self._warned_pair = False  # said once that a round of two cannot out-vote
-        # monotonic (start, end) of the last all-reduce, end None while it runs (``exchanged_since``)
-        self.round_span: tuple[float, float | None] | None = None
+        self._exchange_ended = -math.inf  # monotonic end of the last all-reduce; inf while one runs
         # float64 copies: hivemind applies a round as local + (average - local), which in float32 can
         # differ from the average in the last bit, so replicas would drift apart bit-wise. For float32
         # parameters that sum is exact in float64, and every replica rounds the same float64 average.
@@ -165,8 +164,7 @@ class StageAverager:
     def exchanged_since(self, since: float) -> bool:
         """Whether an all-reduce of this stage ran at some moment after ``since`` (monotonic): its
         megabytes then fill this peer's link, and what else crosses it (a ping) waits behind them."""
-        span = self.round_span
-        return span is not None and (span[1] is None or span[1] >= since)
+        return self._exchange_ended >= since
 
     def active_members(self, now: float, group: Iterable[str] = ()) -> int:
         """Replicas of this stage that averaged with this peer in the last ``ACTIVE_ROUNDS`` periods
@@ -206,15 +204,14 @@ class StageAverager:
         async with self.stage.paused():
             await self.stage.run(self._copy_in)
             control.allow_allreduce()
-            started = time.monotonic()
-            self.round_span = (started, None)
+            self._exchange_ended = math.inf
             try:
                 group = await asyncio.wait_for(asyncio.wrap_future(control), timeout=self.allreduce_timeout + 5)
             except Exception as e:
                 logger.info(f"averaging round at {at:.0f} failed: {e!r}")
                 group = None
             finally:
-                self.round_span = (started, time.monotonic())
+                self._exchange_ended = time.monotonic()
             if not group:
                 self.num_failed_rounds += 1
                 return False

@@ -20,11 +20,11 @@ answer by then is a second strike. The pause is for the queues of home links: wh
 replicas average, their uplinks carry megabytes at once, and a ping waits behind them for seconds
 (20 Mbit/s with 40 ms, tests/e2e/test_internet.py: pings 2-4 s late at the round times, and peers
 declared each other down there and "back" a second later, CI 2026-11-27). The first strike already
-routes around the silent peer (``on_link``); only the verdict waits. ``max_failed_pings`` (2) strikes in a row, missed or refused
-outright (the peer's daemon is gone), declare the neighbour down. No strike counts while this peer
-itself stalled (its own ticks came late: a busy host), so an overloaded observer does not declare
-all its neighbours dead, nor while anything else of the neighbour arrived (activations, answers,
-``LinkMeter.heard``): on a congested link a ping queues behind those bytes, and a peer whose bytes
+routes around the silent peer (``on_link``); only the verdict waits. ``max_failed_pings`` (2)
+strikes in a row, missed or refused outright (the peer's daemon is gone), declare the neighbour down.
+No strike counts while this peer itself stalled (its own ticks came late: a busy host), so an
+overloaded observer does not declare all its neighbours dead, nor while anything else of the
+neighbour arrived (activations, answers, ``LinkMeter.heard``): on a congested link a ping queues behind those bytes, and a peer whose bytes
 keep coming is alive. Nor while this peer's own averaging round ran (``busy_since``): every stage's
 replicas average at the same clock times, and a round's megabytes fill this peer's link and its
 partners' (CI 2026-11-27, 20 Mbit/s + 40 ms: a ping to an averaging partner waited behind the round
