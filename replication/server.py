@@ -114,7 +114,7 @@ def unpack_bytes(tensors: list[torch.Tensor], nbytes: int) -> memoryview:
     """The ``nbytes`` payload bytes of a ``pack_bytes`` tensor; ProtocolError if it does not fit."""
     if len(tensors) != 1 or tensors[0].dtype != torch.int64 or tensors[0].dim() != 1:
         raise ProtocolError("expected one int64 word tensor of raw bytes")
-    if tensors[0].numel() * WIRE_WORD_BYTES != padded_bytes(nbytes):
+    if nbytes < 0 or tensors[0].numel() * WIRE_WORD_BYTES != padded_bytes(nbytes):
         raise ProtocolError(f"{tensors[0].numel()} words do not carry {nbytes} bytes")
     return memoryview(tensors[0].numpy().view("u1"))[:nbytes]
 
