@@ -52,10 +52,12 @@ def check_run_id(run_id: str) -> str:
 MODEL_FAMILIES = ("gpt", "llama")
 # ModelSpec fields newer than the GPT family, left off the wire at these values: a GPT run's spec (and
 # its checkpoints' spec digest, peer/checkpoint.py) reads as before they existed
-MODEL_WIRE_DEFAULTS = {"family": "gpt", "num_kv_heads": 0, "ffn_dim": 0}
+MODEL_WIRE_DEFAULTS = {"family": "gpt", "num_kv_heads": 0, "ffn_dim": 0, "boundary_subspace": 0}
 TOKENIZER_PATTERN = r"bytes|bpe:[0-9a-f]{64}"  # a run spec's tokenizer (swarm.tokenizer)
 PRECISIONS = ("fp32", "bf16")  # how a run's stages compute (RunSpec.precision)
 BOUNDARY_CODECS = ("none", "bf16", "fp16", "int8")  # what crosses a stage boundary (swarm.boundary_codec)
+PIPELINE_SCHEDULES = ("flush", "delayed")
+REPLICA_SYNCS = ("gradients", "periodic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +76,9 @@ class ModelSpec:
         num_kv_heads: key/value heads (``llama``; grouped-query attention); 0: ``num_heads``. Must
             divide ``num_heads``.
         ffn_dim: the MLP's hidden width; 0: the family's default (:attr:`ffn_width`).
+        boundary_subspace: ``k`` > 0: up to the last stage, the residual stream is its initial
+            embedding plus a vector in a fixed ``k``-dimensional subspace, so a stage boundary carries
+            ``k`` numbers per token instead of ``d_model`` (node0's scheme, ``swarm.subspace``); 0: off.
     """
 
     family: str = "gpt"
@@ -84,6 +89,7 @@ class ModelSpec:
     seq_len: int = 64
     num_kv_heads: int = 0
     ffn_dim: int = 0
+    boundary_subspace: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in MODEL_FAMILIES:
@@ -92,12 +98,14 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
                 raise ValueError(f"model {name} must be an integer in [1, 2**20], got {value!r}")
-        for name in ("num_kv_heads", "ffn_dim"):
+        for name in ("num_kv_heads", "ffn_dim", "boundary_subspace"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1 << 20:
                 raise ValueError(f"model {name} must be an integer in [0, 2**20], got {value!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads {self.num_heads} must divide d_model {self.d_model}")
+        if self.boundary_subspace >= self.d_model:
+            raise ValueError(f"boundary_subspace {self.boundary_subspace} must be below d_model {self.d_model}")
         if self.family == "gpt" and (self.num_kv_heads not in (0, self.num_heads)):
             raise ValueError("num_kv_heads (grouped-query attention) needs the llama family")
         if self.num_heads % self.kv_heads:
@@ -121,10 +129,6 @@ class ModelSpec:
         if self.ffn_dim:
             return self.ffn_dim
         return 4 * self.d_model if self.family == "gpt" else -(-8 * self.d_model // 3 // 32) * 32
-
-
-PIPELINE_SCHEDULES = ("flush", "delayed")
-REPLICA_SYNCS = ("gradients", "periodic")
 
 
 def check_step_semantics(pipeline_schedule: str, replica_sync: str, *, flags: bool = False) -> None:
@@ -174,10 +178,9 @@ class RunSpec:
             replica's differ from an fp32 one's by far more than float reassociation. Left out of
             the wire form when it is fp32.
         boundary_codec: how activations and their gradients cross a stage boundary
-            (``BOUNDARY_CODECS``, ``swarm.boundary_codec``): ``"none"`` (the default: as computed,
-            fp32 or bf16), ``"bf16"``, ``"fp16"`` (scaled) or ``"int8"`` (blockwise absmax, 3.76×
-            fewer bytes than fp32). A run property: every peer must decode what the others encode.
-            Left out of the wire form when it is none.
+            (``BOUNDARY_CODECS``, ``swarm.boundary_codec``; in a subspace model, of the subspace's
+            coordinates): ``"none"`` (the default: as computed), ``"bf16"``, ``"fp16"`` or ``"int8"``.
+            A run property. Left out of the wire form when it is none.
         gradient_codec: how a replica's gradient sum of a batch crosses to its co-replicas
             (``replica_sync = "gradients"``, ``swarm.gradient_sync``), with the same codecs
             (``BOUNDARY_CODECS``); int8 keeps each replica's rounding error and adds it to its next
@@ -291,6 +294,7 @@ class RunSpec:
             f"seq_len={m.seq_len}, {self.num_stages} stages {list(self.stage_layers)}, "
             f"dataset {self.dataset}, {'byte' if self.tokenizer == 'bytes' else 'BPE'} tokens "
             f"(vocabulary {m.vocab_size}), {self.precision}"
+            f"{f', {m.boundary_subspace}-dimensional boundary' if m.boundary_subspace else ''}"
             f"{'' if self.boundary_codec == 'none' else f', {self.boundary_codec} at stage boundaries'}"
             f"{'' if self.gradient_codec == 'none' else f', {self.gradient_codec} gradients between replicas'}, seed {self.seed}"
         )
@@ -426,12 +430,9 @@ class PeerRecord:
         wire["stage_layers"] = [list(r) for r in self.stage_layers]
         wire["layout_map"] = list(self.layout_map)
         wire["links"] = [figure.to_wire() for figure in self.links]
-        if not self.links:
-            del wire["links"]  # none measured (and records of peers older than the field): the default
-        if self.reachability == "direct":
-            del wire["reachability"]  # the default, and what peers older than the field were taken for
-        if not self.pinned:
-            del wire["pinned"]  # likewise
+        for key, default in (("links", []), ("reachability", "direct"), ("pinned", False)):
+            if wire[key] == default:  # the default, and what records of peers older than the field read as
+                del wire[key]
         if math.isnan(self.val_loss):
             del wire["val_loss"]  # none yet (every peer but stage 0's): read back as the default NaN
         if not with_binding:

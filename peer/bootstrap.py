@@ -48,6 +48,9 @@ def prepare_run(config: BootstrapConfig) -> tuple[RunSpec, Tokenizer]:
                           seq_len=config.seq_len)
     if tokenizer.id != "bytes":
         model = dataclasses.replace(model, vocab_size=tokenizer.vocab_size)
+    if config.boundary_subspace >= model.d_model:
+        raise ValueError(f"--boundary-subspace must be below the model's d_model ({model.d_model}), got {config.boundary_subspace}")
+    model = dataclasses.replace(model, boundary_subspace=config.boundary_subspace)
     if config.num_stages > model.num_layers:
         raise ValueError(f"--num-stages must be between 1 and the model's {model.num_layers} layers, or 0 to choose")
     spec = RunSpec(

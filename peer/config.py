@@ -197,6 +197,7 @@ class BootstrapConfig:
     vocab_size: int = field(default=4096, metadata=_help("with --tokenizer bpe: the vocabulary to train"))
     precision: str = field(default="fp32", metadata=_help("how every peer computes: fp32, or bf16 (autocast on any device; fp32 master weights and AdamW moments; activations and gradients sent in bf16, half the bytes): the usual choice for a swarm of GPUs"))
     boundary_codec: str = field(default="none", metadata=_help("how activations and their gradients cross a stage boundary: none (as computed: fp32, or bf16 under --precision bf16), bf16 or fp16 (half of fp32's bytes), int8 (blockwise absmax, 3.76x fewer bytes than fp32, error at most 1/254 of each block's largest value); a run property, see docs/compression.md"))
+    boundary_subspace: int = field(default=0, metadata=_help("k > 0: up to the last stage the model adds to its token embeddings only within a fixed k-dimensional subspace, so a stage boundary carries k numbers per token instead of --d-model, each way, compressed further by --boundary-codec (node0's scheme; it constrains the model: see docs/compression.md); 0: off"))
     gradient_codec: str = field(default="none", metadata=_help("how a replica's gradients of a batch go to its co-replicas under --replica-sync gradients: none (fp32), bf16, fp16 or int8 (blockwise absmax with error feedback: each replica adds its rounding error to its next batch); a run property, see docs/compression.md"))
     spec_refresh_period: float = field(default=60.0, metadata=_help("seconds between re-publications of the run spec"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING"))
@@ -225,6 +226,8 @@ class BootstrapConfig:
         check_step_semantics(self.pipeline_schedule, self.replica_sync, flags=True)
         if self.boundary_codec not in BOUNDARY_CODECS:
             raise ValueError(f"--boundary-codec must be one of {', '.join(BOUNDARY_CODECS)}, got {self.boundary_codec!r}")
+        if self.boundary_subspace < 0:
+            raise ValueError("--boundary-subspace must be 0 (off) or a number of dimensions below --d-model")
         if self.gradient_codec not in BOUNDARY_CODECS:
             raise ValueError(f"--gradient-codec must be one of {', '.join(BOUNDARY_CODECS)}, got {self.gradient_codec!r}")
         if not self.tokenizer:

@@ -179,7 +179,7 @@ def stage_memory(spec: RunSpec, stage: int, *, max_in_flight: int, checkpoint_ac
             model, precision=precision)
     params = sum(layer_num_params(spec)[start:end])
     return StageMemory(
-        static_bytes=4 * FLOAT_BYTES * params, gradient_bytes=FLOAT_BYTES * params,
+        static_bytes=4 * FLOAT_BYTES * params + subspace_bytes(model), gradient_bytes=FLOAT_BYTES * params,
         held_bytes=tokens * per_token + graph, recompute_bytes=recompute,
         working_bytes=tokens * working_bytes(model, precision=precision, is_last=is_last),
         largest_param_bytes=FLOAT_BYTES * largest_param(model, is_first=is_first, is_last=is_last),
@@ -231,7 +231,16 @@ def stage_overhead_bytes(spec: RunSpec, *, max_in_flight: int, checkpoint_activa
     recompute = 0
     if checkpoint_activations:
         recompute = tokens * block_saved_bytes(model, precision=precision) + block_graph_bytes(model, precision=precision)
-    return FIXED_OVERHEAD_BYTES + held_io + recompute + tokens * working_bytes(model, precision=precision, is_last=True)
+    return (FIXED_OVERHEAD_BYTES + held_io + recompute + tokens * working_bytes(model, precision=precision, is_last=True)
+            + subspace_bytes(model))
+
+
+def subspace_bytes(model: ModelSpec) -> int:
+    """A subspace run's fixed tables, on every stage (``swarm.subspace``): the base embeddings and the basis."""
+    if not model.boundary_subspace:
+        return 0
+    rows = model.vocab_size + (model.seq_len if model.family == "gpt" else 0) + model.boundary_subspace
+    return FLOAT_BYTES * rows * model.d_model
 
 
 def stage_bound_bytes(spec: RunSpec, stage: int, *, max_in_flight: int, checkpoint_activations: bool = False) -> int:

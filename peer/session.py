@@ -43,7 +43,7 @@ from planner.backup_plan import Rescue
 from planner.stage_choice import StageMove
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
-from swarm.boundary_codec import boundary_codec
+from swarm.subspace import stage_boundary_codec
 from swarm.data import TokenSampler, data_seed
 from swarm.failure_detector import FailureDetector
 from swarm.flow_control import FlowWindow
@@ -173,13 +173,13 @@ class StageSession:
         checker = SpotChecker(ctx.p2p, run_id=spec.namespace, fraction=config.spot_check_fraction,
                               tolerance=config.spot_check_tolerance, rng=random.Random(f"spot:{spec.seed}:{ctx.peer_id}"),
                               timeout=config.request_timeout, max_payload_bytes=max_payload,
-                              reputation=ctx.reputation, on_event=self._on_stage_event)
+                              reputation=ctx.reputation, on_event=self._on_stage_event, seq_len=spec.model.seq_len)
         return Router(ctx.p2p, ctx.view, run_id=spec.namespace, next_stage=index + 1,
                       next_stage_flops=stage_flops_per_sample(spec, index + 1),
                       request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                       rng=random.Random(f"{spec.seed}:{ctx.peer_id}"), sticky=replay,
                       max_attempts=3 if replay else 1, reputation=ctx.reputation, spot_checker=checker, clock=ctx.clock,
-                      links=ctx.links, codec=boundary_codec(spec.boundary_codec))
+                      links=ctx.links, codec=stage_boundary_codec(spec))
 
     def _new_trainer(self, replay: bool) -> Trainer:
         ctx, spec, config, stage = self.ctx, self.spec, self.ctx.config, self.stage

@@ -98,6 +98,16 @@ class BoundaryCodec:
         """Tensor bytes on the wire for one tensor of ``shape`` whose compute dtype is ``dtype``."""
         raise NotImplementedError
 
+    def encode_activations(self, tensor: torch.Tensor, ids: torch.Tensor | None) -> list[torch.Tensor]:
+        """Activations to wire tensors; ``ids``: the token ids their request carries (what a
+        subspace run's boundary rebuilds from, ``swarm.subspace``; the other codecs ignore them)."""
+        return self.encode(tensor)
+
+    def decode_activations(self, wire: Sequence[torch.Tensor], ids: torch.Tensor, *, shape: tuple[int, ...],
+                           dtype: torch.dtype, name: str = "activations") -> torch.Tensor:
+        """Inverse of :meth:`encode_activations`, validated as :meth:`decode`."""
+        return self.decode(wire, shape=shape, dtype=dtype, name=name)
+
 
 class PlainCodec(BoundaryCodec):
     """``none``: the tensor as the stage computed it (fp32, or bf16 in a bf16 run). Exact."""

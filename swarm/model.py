@@ -262,6 +262,16 @@ def stage_forward(model: StageModel, weights: dict[str, torch.Tensor], inputs: t
     return outputs.float() if model.is_last else outputs.to(torch.bfloat16)
 
 
+def initial_embeddings(model: ModelSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token embedding stage 0 is built with (and the gpt family's position embedding, else
+    None), computed without building the stage: the base of a subspace run (``swarm.subspace``)."""
+    generator = torch.Generator().manual_seed(seed + EMBEDDING_SEED_OFFSET)  # as _init_from_seed draws them
+    tokens = torch.randn((model.vocab_size, model.d_model), generator=generator) * 0.02
+    if model.family == "llama":
+        return tokens, None
+    return tokens, torch.randn((model.seq_len, model.d_model), generator=generator) * 0.02
+
+
 def _init_from_seed(seed: int, modules: list[nn.Module], *, num_layers: int = 1,
                     residual: tuple[str, ...] = RESIDUAL_PROJECTIONS["gpt"]) -> None:
     generator = torch.Generator().manual_seed(seed)

@@ -153,7 +153,7 @@ class Router:
         codec: BoundaryCodec | None = None,
     ) -> None:
         self.p2p, self.view, self.run_id = p2p, view, run_id
-        self.codec = codec if codec is not None else boundary_codec("none")  # the run spec's boundary_codec
+        self.codec = codec if codec is not None else boundary_codec("none")  # the run's (swarm.subspace.stage_boundary_codec)
         self.clock = clock
         self.links = links if links is not None else LinkMeter()  # its answers say the next hop is alive
         self.spot_checker = spot_checker
@@ -328,15 +328,17 @@ class Router:
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """Send a forward request to a peer of the next stage; on failure try another one.
 
-        ``tensors`` are ``[activations, targets]``; the activations travel encoded by the run's
-        boundary codec, and the gradient of the answer comes back decoded to their shape and dtype.
+        ``tensors`` are ``[activations, targets]`` (a subspace run's: the whole window,
+        ``swarm.subspace.request_ids``); the activations travel encoded by the run's boundary codec,
+        and the gradient of the answer comes back decoded to their shape and dtype.
 
         Raises:
             NoPeerAvailableError: every attempt failed or nobody serves the next stage, or the peer
                 that answered sent a gradient that does not decode (it is struck).
         """
         mb_id = str(header.get("mb_id"))
-        wire = [*self.codec.encode(tensors[0]), *tensors[1:]]  # once: re-sends and spot checks send the same bytes
+        ids = tensors[1] if len(tensors) > 1 else None  # what a subspace run rebuilds its activations from
+        wire = [*self.codec.encode_activations(tensors[0], ids), *tensors[1:]]  # once: re-sends and checks send these bytes
         checker = self.spot_checker
         if checker is not None and checker.is_enabled and header.get("kind") != "eval":
             header = {**header, "fp": True}  # on every request, so a replica cannot tell which are checked

@@ -107,6 +107,7 @@ class SpotChecker:
         self, p2p: P2P, *, run_id: str, fraction: float, tolerance: float, rng: random.Random,
         timeout: float, max_payload_bytes: int, reputation: Reputation | None = None,
         on_event: Callable[..., None] = lambda event, **fields: None, clock: Callable[[], float] = time.monotonic,
+        seq_len: int | None = None,
     ) -> None:
         if not 0.0 <= fraction <= 1.0 or not 0.0 <= tolerance < math.inf:
             raise ValueError("need 0 <= fraction <= 1 and a finite tolerance >= 0")
@@ -114,7 +115,7 @@ class SpotChecker:
         self.timeout, self.max_payload_bytes = timeout, max_payload_bytes
         self.reputation, self.on_event = reputation, on_event
         self.num_checks: Counter[str] = Counter()
-        self.clock = clock
+        self.clock, self.seq_len = clock, seq_len  # seq_len: of the fingerprints (None: the targets')
         self._suspected_at: dict[str, float] = {}  # peer -> when an unarbitrated mismatch last struck it
         self._tasks: set[asyncio.Task] = set()
 
@@ -166,7 +167,8 @@ class SpotChecker:
 
     async def _check(self, request: dict, tensors: list[torch.Tensor], first: Answer, others: list[str]) -> None:
         mb_id = request["mb_id"]
-        shape = (*tensors[-1].shape, FINGERPRINT_DIMS)  # the targets (batch, seq): last, after the encoded activations
+        # the targets (batch, seq) come last, after the encoded activations (a subspace run's: seq + 1)
+        shape = (tensors[-1].shape[0], self.seq_len or tensors[-1].shape[1], FINGERPRINT_DIMS)
         second = await self._recompute(request, tensors, others, shape)
         if second is None:
             self._report(mb_id, "skipped", [first.peer_id], reason="no other replica answered a check")

@@ -9,7 +9,8 @@ Forwards never touch them: each runs ``torch.func.functional_call`` on the curre
 detached copy of the master taken after every optimizer step or averaging round, so a step never
 modifies a tensor an in-flight graph saved. Gradients of every backward are accumulated in a buffer by
 parameter name; at a step the stage divides by the number of microbatches, clips, sets the master's
-``.grad`` and steps. Memory cost: one extra copy of the stage's parameters (two while old graphs live).
+``.grad`` and steps (a subspace run then projects it, ``swarm.subspace``). Memory cost: one extra copy
+of the stage's parameters (two while old graphs live).
 
 What a step means is the run spec's (docs/convergence.md):
 
@@ -47,6 +48,7 @@ from swarm.model import StageModel, next_token_loss, stage_forward
 from swarm import stage_state
 from swarm.stage_state import StageCounters
 from swarm.spot_check import output_fingerprint
+from swarm.subspace import subspace_of
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +67,7 @@ class Stage:
         self.spec, self.index, self.device = spec, stage, device
         # checkpoint_activations: keep only block inputs per held graph, recompute in the backward (swarm.model)
         self.model = StageModel(spec, stage, checkpoint_activations=checkpoint_activations).to(device)
+        self.subspace = subspace_of(spec)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
                                            fused=device.type == "cuda")  # one kernel per step on a GPU
         self._init_optimizer_state()
@@ -327,11 +330,8 @@ class Stage:
     def _init_optimizer_state(self) -> None:
         # AdamW creates its state lazily at the first step; averaging needs the tensors from the start.
         for param in self.model.parameters():
-            self.optimizer.state[param] = {
-                "step": torch.tensor(0.0),
-                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-            }
+            self.optimizer.state[param] = {"step": torch.tensor(0.0), **{
+                key: torch.zeros_like(param, memory_format=torch.preserve_format) for key in ("exp_avg", "exp_avg_sq")}}
 
     async def _step(self) -> None:
         try:
@@ -411,7 +411,9 @@ class Stage:
         return stepped
 
     def _publish_weights(self) -> None:
-        """A new weight version: detached copies of the master that forwards from now on use."""
+        """A new weight version: detached copies of the (projected) master that forwards use from now on."""
+        if self.subspace is not None:
+            self.subspace.project(self.model)
         self._weights = {n: p.detach().clone().requires_grad_(True) for n, p in self.model.named_parameters()}
 
     def _outputs(self, weights: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:

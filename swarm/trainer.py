@@ -37,6 +37,7 @@ from swarm.data import TokenSampler
 from swarm.flow_control import FlowWindow
 from swarm.router import NoPeerAvailableError, Router
 from swarm.stage import Stage
+from swarm.subspace import request_ids
 from swarm.task_pool import Task, TaskPool
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class Trainer:
             return await self.stage.evaluate(inputs, targets)
         outputs = await self.stage.evaluate(inputs)
         header = {"mb_id": mb_id, "route": [[self.peer_id, 0, self.stage.version]], "batch_size": len(inputs), "kind": "eval"}
-        reply, _ = await self.router.forward(header, [outputs, targets])
+        reply, _ = await self.router.forward(header, [outputs, request_ids(self.stage.spec, inputs, targets)])
         loss = reply.get("loss")
         if not isinstance(loss, float) or not math.isfinite(loss):
             raise NoPeerAvailableError(f"stage 1 answered the held-out microbatch {mb_id} with no usable loss: {loss!r:.50}")
@@ -299,7 +300,7 @@ class Trainer:
                   **({"path": path} if path else {})}
         try:
             with router.reserved_path(path):
-                reply, grads = await router.forward(header, [outputs, task.targets])
+                reply, grads = await router.forward(header, [outputs, request_ids(stage.spec, task.inputs, task.targets)])
             if len(grads) != 1 or grads[0].shape != outputs.shape:
                 raise NoPeerAvailableError(f"stage 1 returned a malformed gradient for {task.mb_id}")
         except NoPeerAvailableError as e:

@@ -10,6 +10,7 @@ barrage against a real peer is tests/fuzz/test_fuzz_live_peer.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import struct
 
@@ -18,13 +19,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dht.records import BOUNDARY_CODECS, PeerRecord, RunSpec
+from dht.records import BOUNDARY_CODECS, ModelSpec, PeerRecord, RunSpec
 from dht.wire import DTYPE_NAMES, DTYPES, ProtocolError, decode_header, parse_tensor_layouts, read_message
 from peer.status.http import BadRequest, parse_request_head
 from replication.manifest import Manifest
 from replication.server import require_int, unpack_bytes
 from swarm.boundary_codec import boundary_codec
 from swarm.stage_server import _check_forward_header
+from swarm.subspace import stage_boundary_codec
 
 EXAMPLES = 1_000
 SETTINGS = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
@@ -208,6 +210,41 @@ def test_boundary_codecs_decode_the_expected_finite_tensor_or_refuse(name, wire,
     except ProtocolError:
         return
     assert decoded.shape == BOUNDARY_SHAPE and decoded.dtype == dtype and bool(torch.isfinite(decoded).all())
+
+
+SUBSPACE = RunSpec(run_id="fz", model=ModelSpec(d_model=16, num_heads=2, seq_len=50, boundary_subspace=4))
+SUBSPACE_SHAPE = (3, 50, 16)  # (batch, seq, d_model); its wire carries (3, 50, 4)
+
+
+def _near_valid_subspace_wire(name: str, seed: int, position: int, index: int, value: float) -> list[torch.Tensor]:
+    """A valid subspace encoding (of a gradient) with one value of one wire tensor replaced by ``value``."""
+    x = torch.randn(SUBSPACE_SHAPE, generator=torch.Generator().manual_seed(seed)) * 10.0 ** (seed % 7 - 3)
+    wire = [t.clone() for t in stage_boundary_codec(dataclasses.replace(SUBSPACE, boundary_codec=name)).encode(x)]
+    target = wire[position % len(wire)].reshape(-1)
+    target[index % target.numel()] = _tensor(DTYPE_NAMES[target.dtype], [1], [value]).item()
+    return wire
+
+
+subspace_wire = any_wire | st.builds(_near_valid_subspace_wire, st.sampled_from(BOUNDARY_CODECS), st.integers(0, 100),
+                                     st.integers(0, 3), st.integers(0, 700), st.floats() | special)
+
+
+@SETTINGS
+@given(st.sampled_from(BOUNDARY_CODECS), subspace_wire, st.integers(0, 2**31), st.booleans())
+def test_subspace_boundaries_decode_the_expected_finite_tensor_or_refuse(name, wire, seed, activations):
+    """A subspace run's boundary (swarm.subspace): the inner codec's checks for the (…, k) shape, then
+    a lifted tensor that must be finite; activations lift with the window's ids (in the vocabulary:
+    the stage server checks them before it decodes)."""
+    codec = stage_boundary_codec(dataclasses.replace(SUBSPACE, boundary_codec=name))
+    ids = torch.randint(0, 256, (3, 51), generator=torch.Generator().manual_seed(seed))
+    try:
+        if activations:
+            decoded = codec.decode_activations(wire, ids, shape=SUBSPACE_SHAPE, dtype=torch.float32)
+        else:
+            decoded = codec.decode(wire, shape=SUBSPACE_SHAPE, dtype=torch.float32, name="gradient")
+    except ProtocolError:
+        return
+    assert decoded.shape == SUBSPACE_SHAPE and decoded.dtype == torch.float32 and bool(torch.isfinite(decoded).all())
 
 
 heads = st.one_of(

@@ -19,6 +19,7 @@ from swarm.router import NoPeerAvailableError, Router
 from dht.rpc import RemoteError, call_peer, forward_handler
 from swarm.stage import Stage
 from swarm.stage_server import StageServer
+from swarm.subspace import stage_boundary_codec, subspace_of
 from swarm.trainer import Trainer
 from swarm.view import SwarmView
 
@@ -223,5 +224,64 @@ def test_the_trainer_keeps_what_the_flow_window_allows_in_flight_and_tells_it_ev
         assert all(n <= 4 for n, _, _ in told)
         grown = [fields for event, fields in events if event == "flow_window"]
         assert grown and grown[0]["before"] == 1 and grown[0]["window"] == 2, events[:5]
+
+    asyncio.run(main())
+
+
+def test_a_subspace_run_carries_k_numbers_per_token_through_a_middle_stage_and_matches_local_autograd(dht_nodes):
+    """``boundary_subspace`` (swarm.subspace): a trainer, a middle stage that routes on and a last stage,
+    over real P2P: every boundary carries (batch, seq, k) both ways plus the sample's window, the loss is
+    the unconstrained forward's of the same (projected) weights, and every gradient equals local autograd
+    of the model with its boundaries mapped through base + U Uᵀ(x − base)."""
+    (dht_a, _), (dht_b, v_b), (dht_c, v_c) = dht_nodes
+    spec = RunSpec(run_id="subsp", model=ModelSpec(d_model=32, num_layers=3, num_heads=2, seq_len=16, boundary_subspace=4),
+                   stage_layers=((0, 1), (1, 2), (2, 3)), microbatch_size=4, target_batch_size=1000)
+
+    async def serve(dht, validator, index: int, router: Router | None) -> tuple[Stage, StageServer]:
+        p2p, peer_id = await dht.replicate_p2p(), dht.peer_id.to_base58()
+        stage = Stage(spec, index, device=CPU)
+        server = StageServer(p2p, stage, peer_id=peer_id, router=router, request_timeout=10, max_payload_bytes=MAX_PAYLOAD)
+        await server.start()
+        record = PeerRecord(peer_id=peer_id, role="reliable", state="training", stage=index, flops=1e9)
+        assert await declare_peer(dht, validator, spec.run_id, record, ttl=60)
+        return stage, server
+
+    async def router_on(dht, next_stage: int) -> Router:
+        view = SwarmView(dht, spec.run_id)
+        await view.refresh()
+        return Router(await dht.replicate_p2p(), view, run_id=spec.run_id, next_stage=next_stage, next_stage_flops=1.0,
+                      request_timeout=10, max_payload_bytes=MAX_PAYLOAD, rng=random.Random(0), codec=stage_boundary_codec(spec))
+
+    async def main():
+        last, last_server = await serve(dht_c, v_c, 2, None)
+        middle, middle_server = await serve(dht_b, v_b, 1, await router_on(dht_b, 2))
+        arrived = []
+        for server in (middle_server, last_server):  # what crosses each boundary, as the receiver decodes it
+            def spy(wire, ids, *, decode=server.codec.decode_activations, **kwargs):
+                arrived.append(([tuple(t.shape) for t in wire], tuple(ids.shape)))
+                return decode(wire, ids, **kwargs)
+            server.codec.decode_activations = spy
+        first = Stage(spec, 0, device=CPU)
+        trainer = Trainer(first, TokenSampler(load_corpus(spec.dataset).text(), seq_len=16, seed=3),
+                          await router_on(dht_a, 1), peer_id=dht_a.peer_id.to_base58(), max_in_flight=1)
+        loss = await trainer.run_microbatch()
+        assert arrived == [([(4, 16, 4)], (4, 17))] * 2
+
+        inputs, targets = TokenSampler(load_corpus(spec.dataset).text(), seq_len=16, seed=3).sample(4)
+        reference = [Stage(spec, index, device=CPU) for index in range(3)]  # built and projected as the swarm's were
+        subspace = subspace_of(spec)
+        basis, base = subspace.tables(CPU)[0], subspace.base(inputs)
+        through = lambda h: base + (h - base) @ basis @ basis.T  # noqa: E731 - the boundary, differentiably
+        models = [stage.model for stage in reference]
+        unconstrained = next_token_loss(models[2](models[1](models[0](inputs))), targets)
+        assert loss == pytest.approx(float(unconstrained), rel=1e-5)  # lossless: the weights keep the boundary in the subspace
+        expected = next_token_loss(models[2](through(models[1](through(models[0](inputs))))), targets)
+        expected.backward()
+        for remote, local in ((first, models[0]), (middle, models[1]), (last, models[2])):
+            grads = remote.accumulated_gradients()
+            for name, q in local.named_parameters():
+                torch.testing.assert_close(grads[name], q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        for stage in (*reference, first, middle, last):
+            stage.shutdown()
 
     asyncio.run(main())
