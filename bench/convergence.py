@@ -7,8 +7,7 @@
 Every mode trains the default run spec (GPT d_model 128, 4 layers, seq_len 64, byte tokens, AdamW lr
 3e-3, microbatch 16, an optimizer step every 64 samples, grad-norm clip 1.0) on the built-in corpus:
 
-* single:   this process trains the whole model (``--single-threads`` torch threads, default 2), the
-            loop of bench/pipeline_overhead.py;
+* single:   this process trains the whole model (the loop of bench/pipeline_overhead.py);
 * pipeline: run_bootstrap.py with 2 stages and 2 run_peer.py processes (one per stage);
 * replicas: 1 stage and 2 peers (data parallel, weights averaged every 10 s);
 * swarm:    2 stages and 4 peers (the demo's 2 × 2);
@@ -16,8 +15,8 @@ Every mode trains the default run spec (GPT d_model 128, 4 layers, seq_len 64, b
             a crash, a graceful leave or a rejoin every 30 s (``--churn-period``), 3 to 5 peers, no
             stage emptied. The trace runs on wall time, so a faster run sees fewer events per sample.
 * swarm_<codec> (swarm_bf16, swarm_fp16, swarm_int8): the swarm with ``--boundary-codec <codec>``:
-            activations and their gradients cross the stage boundary compressed (swarm/boundary_codec.py,
-            docs/compression.md).
+            activations and their gradients cross the stage boundary compressed (docs/compression.md);
+  swarm_subspace<k>_int8: with ``--boundary-subspace k`` too (k numbers per token, swarm/subspace.py).
 
 Peers run with one torch thread each and evaluate the held-out set themselves (``--eval-every``
 samples of their own stage 0, an ``eval`` event in their metrics file). Every mode evaluates the same
@@ -35,10 +34,10 @@ every stage-0 microbatch event written by then, summed over peers. For each mode
 * ``loss_gap_vs_single``: (val_loss − single's) / single's;
 * ``tokens_per_s``: stage-0 tokens over the wall time from the first to the last stage-0 microbatch;
 * ``compression_ratio`` (modes with a stage boundary): float32 bytes over the codec's bytes on the
-  wire for one microbatch's activations (and, the same shape, their gradients), computed exactly
-  from the codec (``BoundaryCodec.wire_bytes``, which the unit tests check against the tensors it
-  sends) for the default spec's fp32 activations (16 × 64 × 128); message headers (~100 bytes)
-  and targets (8 KiB of int64 token ids, which travel with the activations in every mode) are left out;
+  wire for one microbatch's activations (and, the same shape, their gradients), exactly, from the
+  codec (``BoundaryCodec.wire_bytes``, checked by the unit tests against what it sends) for the default
+  spec's 16 × 64 × 128; ``compression_ratio_with_ids``: the same for a microbatch's both ways with
+  the int64 token ids its request carries (16 × 64, or × 65 in a subspace run); headers left out;
 * ``loss_gap_vs_uncompressed`` (swarm_<codec>): (val_loss − swarm's) / swarm's, at the same mark.
 
 Prints one JSON line per mode and mark, then a markdown table for BENCHMARKS.md with the command,
@@ -51,9 +50,8 @@ swarm's mechanics, not a different data order. ``--seed 1`` gives single another
 spread that order alone makes (under ``--bootstrap-args "--replica-sync periodic"`` each peer draws
 its own samples, as before).
 
-Left out: one run per mode (no spread over repeats); ``--bootstrap-args`` changes the process modes
-only, single always trains the default spec; peers' stage choice and averaging timing are whatever
-the run negotiates.
+Left out: one run per mode (no spread over repeats); ``--bootstrap-args`` changes the process modes only,
+single always trains the default spec; peers' stage choice and averaging timing are the run's.
 """
 
 from __future__ import annotations
@@ -78,7 +76,9 @@ from bench.convergence_churn import PERIOD as CHURN_PERIOD, ChurnDriver  # noqa:
 from dht.records import BOUNDARY_CODECS, RunSpec  # noqa: E402
 from peer.harness.local_swarm import LocalSwarm, wait_for  # noqa: E402  (needs ROOT on sys.path when run as a script)
 
-CODEC_MODES = {f"swarm_{codec}": codec for codec in BOUNDARY_CODECS if codec != "none"}  # mode -> --boundary-codec
+# mode -> (--boundary-codec, --boundary-subspace)
+CODEC_MODES = {**{f"swarm_{codec}": (codec, 0) for codec in BOUNDARY_CODECS if codec != "none"},
+               "swarm_subspace8_int8": ("int8", 8), "swarm_subspace16_int8": ("int8", 16)}
 MODES: dict[str, tuple[int, int]] = {"pipeline": (2, 2), "replicas": (1, 2), "swarm": (2, 4),  # (stages, peers)
                                      "swarm_churn": (2, 4), **{mode: (2, 4) for mode in CODEC_MODES}}
 ALL_MODES = ("single", *MODES)
@@ -192,7 +192,7 @@ def is_run_done(microbatches: Sequence[Mapping[str, Any]], evals: Sequence[Mappi
 
 
 def result_rows(curves: Sequence[Curve], marks: Sequence[int], *,
-                ratios: Mapping[str, float | None] | None = None) -> list[dict[str, Any]]:
+                ratios: Mapping[str, tuple[float | None, float | None]] | None = None) -> list[dict[str, Any]]:
     """One JSON-ready row per mode and mark; gaps against the ``single`` curve if there is one, and
     a codec mode's against the uncompressed ``swarm`` curve; ``ratios``: mode -> compression ratio."""
     single = next((c for c in curves if c.mode == "single"), None)
@@ -208,23 +208,24 @@ def result_rows(curves: Sequence[Curve], marks: Sequence[int], *,
                    "val_loss": _rounded(val_loss, 4),
                    "loss_gap_vs_single": _rounded(relative_gap(val_loss, reference), 4),
                    "tokens_per_s": _rounded(curve.tokens_per_s, 1), "wall_s": round(curve.wall_s, 1),
-                   "compression_ratio": _rounded((ratios or {}).get(curve.mode), 2)}
+                   **dict(zip(("compression_ratio", "compression_ratio_with_ids"),
+                              (_rounded(r, 2) for r in (ratios or {}).get(curve.mode, (None, None)))))}
             if curve.mode in CODEC_MODES:
                 row["loss_gap_vs_uncompressed"] = _rounded(relative_gap(val_loss, uncompressed), 4)
             rows.append(row)
     return rows
 
 
-def boundary_ratio(mode: str) -> float | None:
-    """float32 bytes over wire bytes per microbatch at the mode's stage boundary (None: no boundary),
-    exactly, from the codec, for the default spec's fp32 activations."""
+def boundary_ratio(mode: str) -> tuple[float | None, float | None]:
+    """float32 bytes over wire bytes per microbatch at the mode's stage boundary, exactly, from the
+    codec, for the default spec's fp32 activations: (activations alone, both ways with the ids)."""
     if mode == "single" or MODES[mode][0] < 2:
-        return None
-    from swarm.boundary_codec import boundary_codec, compression_ratio
+        return None, None
+    from dht.records import ModelSpec
+    from swarm.subspace import microbatch_ratios
 
-    spec = RunSpec(run_id="bench")
-    shape = (spec.microbatch_size, spec.model.seq_len, spec.model.d_model)
-    return compression_ratio(boundary_codec(CODEC_MODES.get(mode, "none")), shape)
+    codec, dims = CODEC_MODES.get(mode, ("none", 0))
+    return microbatch_ratios(RunSpec(run_id="bench", model=ModelSpec(boundary_subspace=dims), boundary_codec=codec))
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -252,7 +253,6 @@ def _format_cell(row: Mapping[str, Any]) -> str:
 
 def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
-
 
 # ---- single: the whole model in this process ------------------------------------------------------
 
@@ -333,7 +333,8 @@ def run_swarm_mode(mode: str, settings: SwarmSettings, workdir: Path, *,
     flags = ("--num-threads", "1", "--eval-every", str(settings.eval_every), "--eval-sequences", str(settings.eval_sequences))
     with LocalSwarm(workdir / mode) as swarm:
         try:
-            codec = ("--boundary-codec", CODEC_MODES[mode]) if mode in CODEC_MODES else ()
+            codec_name, dims = CODEC_MODES.get(mode, ("none", 0))
+            codec = ("--boundary-codec", codec_name, *(("--boundary-subspace", str(dims)) if dims else ()))
             swarm.start_bootstrap("--num-stages", str(num_stages), "--averaging-period", "10",
                                   *settings.bootstrap_args, *codec)
             for _ in range(num_peers):
