@@ -78,7 +78,7 @@ from peer.harness.local_swarm import LocalSwarm, wait_for  # noqa: E402  (needs 
 
 # mode -> (--boundary-codec, --boundary-subspace)
 CODEC_MODES = {**{f"swarm_{codec}": (codec, 0) for codec in BOUNDARY_CODECS if codec != "none"},
-               "swarm_subspace8_int8": ("int8", 8), "swarm_subspace16_int8": ("int8", 16)}
+               "swarm_subspace8_int8": ("int8", 8), "swarm_subspace12_int8": ("int8", 12)}
 MODES: dict[str, tuple[int, int]] = {"pipeline": (2, 2), "replicas": (1, 2), "swarm": (2, 4),  # (stages, peers)
                                      "swarm_churn": (2, 4), **{mode: (2, 4) for mode in CODEC_MODES}}
 ALL_MODES = ("single", *MODES)

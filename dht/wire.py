@@ -32,6 +32,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
+    "int32": torch.int32,  # a subspace run's token ids (swarm.subspace.request_ids)
     "int8": torch.int8,  # the int8 boundary codec's values (swarm.boundary_codec)
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

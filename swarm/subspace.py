@@ -124,9 +124,16 @@ def subspace_of(spec: RunSpec) -> Subspace | None:
 
 
 def request_ids(spec: RunSpec, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The token ids a microbatch's requests carry: its targets, or in a subspace run its whole
-    window (``seq_len + 1`` ids: the first input, then the targets)."""
-    return torch.cat((inputs[:, :1], targets), dim=1) if spec.model.boundary_subspace else targets
+    """The token ids a microbatch's requests carry: its targets (int64), or in a subspace run its
+    whole window (``seq_len + 1`` ids: the first input, then the targets) as int32, half the bytes."""
+    if not spec.model.boundary_subspace:
+        return targets
+    return torch.cat((inputs[:, :1], targets), dim=1).to(torch.int32)
+
+
+def ids_dtype(spec: RunSpec) -> torch.dtype:
+    """The dtype of the token ids :func:`request_ids` gives for ``spec``."""
+    return torch.int32 if spec.model.boundary_subspace else torch.int64
 
 
 class SubspaceCodec(BoundaryCodec):
@@ -178,9 +185,10 @@ def stage_boundary_codec(spec: RunSpec) -> BoundaryCodec:
 
 def microbatch_ratios(spec: RunSpec) -> tuple[float, float]:
     """float32 bytes over wire bytes for one microbatch of ``spec`` at a stage boundary: (its
-    activations alone, as the codec sends them; its activations and gradient with the int64 token
-    ids its request carries, against fp32 ones with the targets). Message headers are left out."""
+    activations alone, as the codec sends them; its activations and gradient with the token ids its
+    request carries, against fp32 ones with int64 targets). Message headers are left out."""
     shape, codec = (spec.microbatch_size, spec.model.seq_len, spec.model.d_model), stage_boundary_codec(spec)
-    ids = 8 * request_ids(spec, torch.zeros(shape[:2]), torch.zeros(shape[:2])).numel()
+    window = request_ids(spec, torch.zeros(shape[:2], dtype=torch.int64), torch.zeros(shape[:2], dtype=torch.int64))
+    ids = window.numel() * window.element_size()
     fp32 = 2 * 4 * math.prod(shape) + 8 * math.prod(shape[:2])
     return compression_ratio(codec, shape), fp32 / (2 * codec.wire_bytes(shape) + ids)

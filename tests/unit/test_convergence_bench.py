@@ -146,9 +146,9 @@ def test_codec_modes_report_their_compression_and_the_gap_against_the_uncompress
     assert markdown_table(list(rows.values())).splitlines()[-1] == "| bytes ÷ fp32 | 1/1.00 | 1/3.76 | — |"
     assert {"swarm_bf16", "swarm_fp16", "swarm_int8"} <= set(MODES) and not set(CODEC_MODES) & set(DEFAULT_MODES)
     # ids included, both ways: (2 x 512 KiB + 8 KiB of targets) / (2 x 136 KiB + 8 KiB), and a subspace run's
-    # 8 int8 values (+ 1/2 scale) per token each way beside its 16 x 65 int64 window
+    # 8 int8 values (+ 1/2 scale) per token each way beside its 16 x 65 int32 window
     assert rows["swarm_int8"]["compression_ratio_with_ids"] == pytest.approx((2 * 524288 + 8192) / (2 * 139264 + 8192), abs=0.01)
-    assert boundary_ratio("swarm_subspace8_int8") == pytest.approx((512 / 8.5, (2 * 524288 + 8192) / (2 * 8704 + 8320)))
+    assert boundary_ratio("swarm_subspace8_int8") == pytest.approx((512 / 8.5, (2 * 524288 + 8192) / (2 * 8704 + 4160)))
     assert boundary_ratio("swarm_subspace8_int8")[1] >= 32  # issue 16's floor, counting everything but headers
 
 

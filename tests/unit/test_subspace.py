@@ -153,16 +153,19 @@ def test_the_stage_server_takes_the_window_and_refuses_bare_targets():
     spec = dataclasses.replace(GPT, stage_layers=((0, 2), (2, 3)))
     server = StageServer(None, Stage(spec, 1, device=CPU), peer_id="me", router=None, request_timeout=5,
                          max_payload_bytes=1 << 20)
-    ids = tokens(spec, extra=1)
-    inputs, targets = ids[:, :-1], ids[:, 1:]
-    assert torch.equal(request_ids(spec, inputs, targets), ids)
+    window = tokens(spec, extra=1)
+    inputs, targets = window[:, :-1], window[:, 1:]
+    ids = request_ids(spec, inputs, targets)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), window)
     x = Stage(spec, 0, device=CPU).model(inputs).detach()
     wire = [*server.codec.encode_activations(x, ids), ids]
     decoded, got = server._check_forward_tensors(wire, 3)
     torch.testing.assert_close(decoded, x, atol=1e-5, rtol=0)
     assert torch.equal(got, ids)
-    with pytest.raises(ProtocolError, match="targets must be int64\\[3, 13\\]"):
+    with pytest.raises(ProtocolError, match="targets must be int32\\[3, 13\\]"):
         server._check_forward_tensors([wire[0], targets], 3)
+    with pytest.raises(ProtocolError, match="targets must be int32"):  # the window, but int64
+        server._check_forward_tensors([wire[0], ids.long()], 3)
     hostile = ids.clone()
     hostile[0, 0] = spec.model.vocab_size  # an id outside the vocabulary would index past the base table
     with pytest.raises(ProtocolError, match="outside the vocabulary"):
