@@ -52,6 +52,21 @@ class _FailedRoundFilter(logging.Filter):
         return logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
+class _ResetStreamFilter(logging.Filter):
+    """hivemind's ``P2P._handle_stream`` logs the traceback of a request stream whose other side
+    reset it (a peer that left or crashed mid-call, an averaging partner gone: seen as a peer left
+    a 20 Mbit/s swarm, ci40 2026-11-27); the caller's side reports what it cost. One line without
+    the traceback; the traceback at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if (record.funcName == "_handle_stream" and isinstance(error, (ConnectionError, asyncio.IncompleteReadError))
+                and not logging.getLogger().isEnabledFor(logging.DEBUG)):
+            record.msg, record.args = f"{record.getMessage()} {type(error).__name__}: {error}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> None:
     """Send our logs to stderr as ``time L [peer 3fa9c1 stage 1 step 40] message``.
 
@@ -69,3 +84,6 @@ def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> Non
     averager = logging.getLogger("hivemind.averaging.averager")
     if not any(isinstance(f, _FailedRoundFilter) for f in averager.filters):
         averager.addFilter(_FailedRoundFilter())
+    streams = logging.getLogger("hivemind.p2p.p2p_daemon")
+    if not any(isinstance(f, _ResetStreamFilter) for f in streams.filters):
+        streams.addFilter(_ResetStreamFilter())

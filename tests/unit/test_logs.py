@@ -70,3 +70,34 @@ def test_a_cancelled_rounds_unretrieved_future_is_not_an_error_for_the_volunteer
         assert "CancelledError" not in shown and "a real error" in shown
     finally:
         root.handlers[:], root.level = handlers, level
+
+
+def _handle_stream(logger: logging.Logger, error: Exception) -> None:  # named as hivemind's P2P._handle_stream
+    try:
+        raise error
+    except Exception:
+        logger.warning("Exception while receiving requests:", exc_info=True)
+
+
+def test_a_stream_the_other_side_reset_is_one_line_without_its_traceback_unless_debugging():
+    streams = logging.getLogger("hivemind.p2p.p2p_daemon")
+    capture = _Capture()
+    streams.addHandler(capture)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        configure_logging("INFO")
+        configure_logging("INFO")  # a second set-up adds no second filter
+        _handle_stream(streams, ConnectionResetError(104, "Connection reset by peer"))
+        _handle_stream(streams, ValueError("a bug of ours"))  # anything else keeps its traceback
+        assert capture.records[0].exc_info is None
+        assert capture.records[0].getMessage() == ("Exception while receiving requests: "
+                                                   "ConnectionResetError: [Errno 104] Connection reset by peer")
+        assert capture.records[1].exc_info is not None
+        configure_logging("DEBUG")
+        _handle_stream(streams, ConnectionResetError(104, "Connection reset by peer"))
+        assert capture.records[2].exc_info is not None
+        assert sum(type(f).__name__ == "_ResetStreamFilter" for f in streams.filters) == 1
+    finally:
+        streams.removeHandler(capture)
+        root.handlers[:], root.level = handlers, level
