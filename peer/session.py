@@ -43,7 +43,6 @@ from planner.backup_plan import Rescue
 from planner.stage_choice import StageMove
 from replication.server import ReplicationServer
 from swarm.averaging import StageAverager
-from swarm.subspace import stage_boundary_codec
 from swarm.data import TokenSampler, data_seed
 from swarm.failure_detector import FailureDetector
 from swarm.flow_control import FlowWindow
@@ -56,6 +55,7 @@ from swarm.spot_check import SpotChecker
 from swarm.stage import Stage
 from swarm.admission import Admission
 from swarm.stage_server import StageServer
+from swarm.subspace import stage_boundary_codec
 from swarm.task_pool import MicrobatchLedger
 from swarm.trainer import Trainer
 
