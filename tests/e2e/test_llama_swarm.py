@@ -19,9 +19,9 @@ import pytest
 from peer.harness.local_swarm import REPO_ROOT, wait_for
 from tests.e2e.test_status_page import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(540)]
 LOSS_WINDOW = 20
-MICROBATCHES = 150
+MICROBATCHES = 80  # the loss falls ~0.7 nats by then; a host without bf16 in hardware trains ~0.26 a second
 
 
 def status(port: int) -> dict:
@@ -82,7 +82,7 @@ def test_a_llama_run_on_a_token_shard_trains_across_two_stages_and_its_loss_fall
     def losses() -> list[float]:
         return [e["loss"] for e in last.events("microbatch") if e.get("loss") is not None]
 
-    wait_for(lambda: len(losses()) >= MICROBATCHES or not all(p.is_alive() for p in peers), 360,
+    wait_for(lambda: len(losses()) >= MICROBATCHES or not all(p.is_alive() for p in peers), 400,
              f"{MICROBATCHES} microbatches through the llama pipeline")
     assert all(p.is_alive() for p in peers), local_swarm.logs()
     log = last.log_path.read_text()
