@@ -62,7 +62,7 @@ def _check_wire(wire: Sequence[torch.Tensor], expected: Sequence[tuple[torch.dty
                                 f"got {DTYPE_NAMES.get(tensor.dtype, tensor.dtype)}{list(tensor.shape)}")
 
 
-def _finite(tensor: torch.Tensor, what: str) -> torch.Tensor:
+def require_finite(tensor: torch.Tensor, what: str) -> torch.Tensor:
     if not bool(torch.isfinite(tensor).all()):
         raise ProtocolError(f"{what} holds NaN or Inf")
     return tensor
@@ -119,7 +119,7 @@ class PlainCodec(BoundaryCodec):
 
     def decode(self, wire, *, shape, dtype, name="activations"):
         _check_wire(wire, [(dtype, tuple(shape))], name)
-        return _finite(wire[0], name)
+        return require_finite(wire[0], name)
 
     def wire_bytes(self, shape, dtype=torch.float32):
         return math.prod(shape) * dtype.itemsize
@@ -138,7 +138,7 @@ class Bf16Codec(BoundaryCodec):
 
     def decode(self, wire, *, shape, dtype, name="activations"):
         _check_wire(wire, [(torch.bfloat16, tuple(shape))], name)
-        return _finite(wire[0], name).to(dtype)
+        return require_finite(wire[0], name).to(dtype)
 
     def wire_bytes(self, shape, dtype=torch.float32):
         return 2 * math.prod(shape)
@@ -172,8 +172,8 @@ class Fp16Codec(BoundaryCodec):
         scale = float(wire[1][0])
         if not (math.isfinite(scale) and scale > 0):
             raise ProtocolError(f"{name}'s scale must be a positive finite number, got {scale}")
-        values = _finite(wire[0], name).float() * scale
-        return _finite(values, f"{name} (scaled)").to(dtype)
+        values = require_finite(wire[0], name).float() * scale
+        return require_finite(values, f"{name} (scaled)").to(dtype)
 
     def wire_bytes(self, shape, dtype=torch.float32):
         return 2 * math.prod(shape) + 4

@@ -39,7 +39,7 @@ from dht.reputation import Reputation
 from dht.rpc import REFUSAL_LOG, REQUEST_OUTCOMES, Declined, forward_handler, send_reply, serve_request
 from dht.wire import ProtocolError, require_tensor
 from swarm.admission import NOT_MEMBER, Admission
-from swarm.subspace import ids_dtype, stage_boundary_codec
+from swarm.subspace import request_ids_layout, scored_targets, stage_boundary_codec
 from swarm.links import LinkMeter
 from swarm.model import activation_dtype
 from swarm.router import Router
@@ -223,8 +223,8 @@ class StageServer:
         if len(tensors) != n + 1:
             raise ProtocolError(f"a forward request carries {n + 1} tensors (activations as the run's "
                                 f"{self.codec.name} boundary codec sends them, targets), got {len(tensors)}")
-        width = spec.model.seq_len + (1 if spec.model.boundary_subspace else 0)  # a subspace run's: the whole window
-        targets = require_tensor(tensors, n, dtype=ids_dtype(spec), shape=(batch_size, width), name="targets")
+        shape, dtype = request_ids_layout(spec, batch_size)  # a subspace run's: the whole window
+        targets = require_tensor(tensors, n, dtype=dtype, shape=shape, name="targets")
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= spec.model.vocab_size):
             raise ProtocolError("targets hold token ids outside the vocabulary")
         activations = self.codec.decode_activations(tensors[:n], targets, shape=stage.input_shape(batch_size),
@@ -240,7 +240,7 @@ class StageServer:
         with ``fingerprint``, the reply also carries the outputs' fingerprint and the weights' tag."""
         stage = self.stage
         if stage.is_last:
-            targets = targets[:, -stage.spec.model.seq_len:].long()  # a subspace run's window: its last seq_len ids
+            targets = scored_targets(stage.spec, targets)
             loss, grad, prints, tag = await stage.forward_loss_backward_fingerprinted(activations, targets, accumulate=count,
                                                                                       batch=batch)
             if not math.isfinite(loss):
@@ -276,7 +276,7 @@ class StageServer:
         pipeline's; the reply carries the last stage's loss and no tensor."""
         stage = self.stage
         if stage.is_last:
-            loss = await stage.evaluate(activations, targets[:, -stage.spec.model.seq_len:].long())
+            loss = await stage.evaluate(activations, scored_targets(stage.spec, targets))
             if not math.isfinite(loss):
                 raise ProtocolError("the activations give a non-finite loss")
             return {"ok": True, "loss": loss}, []

@@ -36,14 +36,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 
 from dht.records import ModelSpec, RunSpec
-from dht.wire import ProtocolError
-from swarm.boundary_codec import BoundaryCodec, boundary_codec, compression_ratio
+from swarm.boundary_codec import BoundaryCodec, boundary_codec, compression_ratio, require_finite
 from swarm.model import RESIDUAL_PROJECTIONS, StageModel, initial_embeddings
 
 SUBSPACE_SEED_OFFSET = 3_000_017
@@ -59,7 +57,6 @@ class Subspace:
         if not model.boundary_subspace:
             raise ValueError("the run's model has no boundary subspace (ModelSpec.boundary_subspace is 0)")
         self.dims = model.boundary_subspace
-        self.seq_len = model.seq_len
         generator = torch.Generator().manual_seed(seed + SUBSPACE_SEED_OFFSET)
         q, r = torch.linalg.qr(torch.randn(model.d_model, self.dims, generator=generator, dtype=torch.float64))
         self._basis = (q * torch.sign(torch.diagonal(r))).float()  # the sign fix makes Q unique
@@ -128,12 +125,20 @@ def request_ids(spec: RunSpec, inputs: torch.Tensor, targets: torch.Tensor) -> t
     whole window (``seq_len + 1`` ids: the first input, then the targets) as int32, half the bytes."""
     if not spec.model.boundary_subspace:
         return targets
-    return torch.cat((inputs[:, :1], targets), dim=1).to(torch.int32)
+    return torch.cat((inputs[:, :1], targets), dim=1).to(request_ids_layout(spec, len(inputs))[1])
 
 
-def ids_dtype(spec: RunSpec) -> torch.dtype:
-    """The dtype of the token ids :func:`request_ids` gives for ``spec``."""
-    return torch.int32 if spec.model.boundary_subspace else torch.int64
+def request_ids_layout(spec: RunSpec, batch_size: int) -> tuple[tuple[int, int], torch.dtype]:
+    """The shape and dtype of the token ids :func:`request_ids` gives for ``batch_size`` samples."""
+    if not spec.model.boundary_subspace:
+        return (batch_size, spec.model.seq_len), torch.int64
+    return (batch_size, spec.model.seq_len + 1), torch.int32
+
+
+def scored_targets(spec: RunSpec, ids: torch.Tensor) -> torch.Tensor:
+    """The targets the last stage scores from a request's ids: the targets, or a window's last
+    ``seq_len`` ids, as int64."""
+    return ids[:, -spec.model.seq_len:].long()
 
 
 class SubspaceCodec(BoundaryCodec):
@@ -146,33 +151,26 @@ class SubspaceCodec(BoundaryCodec):
         self.name = inner.name
         self.num_wire_tensors = inner.num_wire_tensors
 
-    def _narrow(self, shape: Sequence[int]) -> tuple[int, ...]:
-        return (*shape[:-1], self.subspace.dims)
-
     def encode(self, tensor):
         return self.inner.encode(self.subspace.reduce(tensor))
 
     def decode(self, wire, *, shape, dtype, name="activations"):
-        reduced = self.inner.decode(wire, shape=self._narrow(shape), dtype=torch.float32, name=name)
-        return _finite(self.subspace.lift(reduced), name).to(dtype)
+        return self._lifted(wire, None, shape, dtype, name)
 
     def encode_activations(self, tensor, ids):
         if ids is None:
             raise ValueError("a subspace run's activations travel with their sample's ids (request_ids)")
-        return self.inner.encode(self.subspace.coordinates(tensor, ids[:, : self.subspace.seq_len]))
+        return self.inner.encode(self.subspace.coordinates(tensor, ids[:, :-1]))  # the window's inputs
 
     def decode_activations(self, wire, ids, *, shape, dtype, name="activations"):
-        coordinates = self.inner.decode(wire, shape=self._narrow(shape), dtype=torch.float32, name=name)
-        return _finite(self.subspace.lift(coordinates, ids[:, : self.subspace.seq_len]), name).to(dtype)
+        return self._lifted(wire, ids[:, :-1], shape, dtype, name)
+
+    def _lifted(self, wire, tokens, shape, dtype, name):
+        reduced = self.inner.decode(wire, shape=(*shape[:-1], self.subspace.dims), dtype=torch.float32, name=name)
+        return require_finite(self.subspace.lift(reduced, tokens), f"{name} (lifted from the subspace)").to(dtype)
 
     def wire_bytes(self, shape, dtype=torch.float32):
-        return self.inner.wire_bytes(self._narrow(shape), torch.float32)
-
-
-def _finite(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    if not bool(torch.isfinite(tensor).all()):
-        raise ProtocolError(f"{what} (lifted from the subspace) holds NaN or Inf")
-    return tensor
+        return self.inner.wire_bytes((*shape[:-1], self.subspace.dims), torch.float32)
 
 
 def stage_boundary_codec(spec: RunSpec) -> BoundaryCodec:
@@ -188,7 +186,7 @@ def microbatch_ratios(spec: RunSpec) -> tuple[float, float]:
     activations alone, as the codec sends them; its activations and gradient with the token ids its
     request carries, against fp32 ones with int64 targets). Message headers are left out."""
     shape, codec = (spec.microbatch_size, spec.model.seq_len, spec.model.d_model), stage_boundary_codec(spec)
-    window = request_ids(spec, torch.zeros(shape[:2], dtype=torch.int64), torch.zeros(shape[:2], dtype=torch.int64))
-    ids = window.numel() * window.element_size()
+    ids_shape, ids_dtype = request_ids_layout(spec, spec.microbatch_size)
+    ids = math.prod(ids_shape) * ids_dtype.itemsize
     fp32 = 2 * 4 * math.prod(shape) + 8 * math.prod(shape[:2])
     return compression_ratio(codec, shape), fp32 / (2 * codec.wire_bytes(shape) + ids)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from peer.logs import configure_logging
 
@@ -15,6 +17,19 @@ class _Capture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+@contextlib.contextmanager
+def _captured(logger: logging.Logger) -> Iterator[_Capture]:
+    """What ``logger`` passes on, while ``configure_logging`` may run; the root's set-up restored after."""
+    capture, root = _Capture(), logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    logger.addHandler(capture)
+    try:
+        yield capture
+    finally:
+        logger.removeHandler(capture)
+        root.handlers[:], root.level = handlers, level
 
 
 def _step(logger: logging.Logger) -> None:  # named as hivemind's DecentralizedAverager._step
@@ -33,11 +48,7 @@ def _aggregate_with_group(logger: logging.Logger) -> None:  # the all-reduce und
 
 def test_a_failed_rounds_traceback_from_the_averager_is_dropped_unless_debugging():
     averager = logging.getLogger("hivemind.averaging.averager")
-    capture = _Capture()
-    averager.addHandler(capture)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
+    with _captured(averager) as capture:
         configure_logging("INFO")
         configure_logging("INFO")  # a second set-up adds no second filter
         _step(averager)
@@ -48,9 +59,6 @@ def test_a_failed_rounds_traceback_from_the_averager_is_dropped_unless_debugging
         _step(averager)
         assert len(capture.records) == 2 and capture.records[-1].exc_info
         assert sum(type(f).__name__ == "_FailedRoundFilter" for f in averager.filters) == 1
-    finally:
-        averager.removeHandler(capture)
-        root.handlers[:], root.level = handlers, level
 
 
 def test_a_cancelled_rounds_unretrieved_future_is_not_an_error_for_the_volunteer(capsys):
@@ -81,11 +89,7 @@ def _handle_stream(logger: logging.Logger, error: Exception) -> None:  # named a
 
 def test_a_stream_the_other_side_reset_is_one_line_without_its_traceback_unless_debugging():
     streams = logging.getLogger("hivemind.p2p.p2p_daemon")
-    capture = _Capture()
-    streams.addHandler(capture)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
+    with _captured(streams) as capture:
         configure_logging("INFO")
         configure_logging("INFO")  # a second set-up adds no second filter
         _handle_stream(streams, ConnectionResetError(104, "Connection reset by peer"))
@@ -98,6 +102,3 @@ def test_a_stream_the_other_side_reset_is_one_line_without_its_traceback_unless_
         _handle_stream(streams, ConnectionResetError(104, "Connection reset by peer"))
         assert capture.records[2].exc_info is not None
         assert sum(type(f).__name__ == "_ResetStreamFilter" for f in streams.filters) == 1
-    finally:
-        streams.removeHandler(capture)
-        root.handlers[:], root.level = handlers, level
