@@ -37,7 +37,7 @@ every stage-0 microbatch event written by then, summed over peers. For each mode
   wire for one microbatch's activations (and, the same shape, their gradients), exactly, from the
   codec (``BoundaryCodec.wire_bytes``, checked by the unit tests against what it sends) for the default
   spec's 16 × 64 × 128; ``compression_ratio_with_ids``: the same for a microbatch's both ways with
-  the int64 token ids its request carries (16 × 64, or × 65 in a subspace run); headers left out;
+  the token ids its request carries (16 × 64 int64, or 16 × 65 int32 in a subspace run); headers left out;
 * ``loss_gap_vs_uncompressed`` (swarm_<codec>): (val_loss − swarm's) / swarm's, at the same mark.
 
 Prints one JSON line per mode and mark, then a markdown table for BENCHMARKS.md with the command,
