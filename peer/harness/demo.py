@@ -1,13 +1,13 @@
 """The README's first command: a real local swarm that trains the default model, with live progress.
 
-    python -m peer.harness.demo [--num-peers 4] [--duration 150] [--preset tiny] [--tokenizer bpe]
+    python -m peer.harness.demo [--num-peers 4] [--duration 150] [--microbatches N] [--preset tiny] [--tokenizer bpe]
 
 Starts run_bootstrap.py (the Llama-style ``tiny`` preset; a BPE tokenizer it trains on the built-in
 corpus, which the peers obtain from the swarm) and N run_peer.py processes on 127.0.0.1 (they find
 each other through the DHT and negotiate their stages themselves), prints the swarm's loss,
 tokens/s and peers per stage and its latest held-out loss (measured through the pipeline by the
-stage-0 peers) every few seconds, stops every process after ``--duration`` seconds of training,
-and prints the initial and final loss. The peers checkpoint their stages when they leave; the demo
+stage-0 peers) every few seconds, stops every process after ``--duration`` seconds of training
+(or sooner, once the last stage has computed ``--microbatches``: a test waits on that event), and prints the initial and final loss. The peers checkpoint their stages when they leave; the demo
 then exports the run to a Hugging Face folder (``peer.export``) and prints what the model writes
 after a fixed prompt. Exits 0 if the loss fell and the export was written.
 """
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-peers", type=int, default=4, help="peer processes to start (default: 4)")
     parser.add_argument("--num-stages", type=int, default=2, help="pipeline stages (default: 2)")
     parser.add_argument("--duration", type=float, default=150.0, help="seconds of training (default: 150)")
+    parser.add_argument("--microbatches", type=int, default=0,
+                        help="stop sooner, once the last stage has computed this many microbatches (default: 0, off)")
     parser.add_argument("--workdir", default=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}", help="where logs go")
     parser.add_argument("--print-period", type=float, default=5.0, help="seconds between progress lines")
     parser.add_argument("--preset", default="tiny", help="the model (run_bootstrap.py --preset; default: tiny)")
@@ -85,10 +87,14 @@ def run_demo(swarm: LocalSwarm, args: argparse.Namespace) -> int:
     dead = [p for p in swarm.peers if not p.is_alive()]
     if dead:
         raise RuntimeError(f"{dead[0].name} exited while joining")
-    print(f"{args.num_peers} peers training; running for {args.duration:.0f}s", flush=True)
+    until = f" or {args.microbatches} microbatches" if args.microbatches else ""
+    print(f"{args.num_peers} peers training; running for {args.duration:.0f}s{until}", flush=True)
     started = time.monotonic()
     while time.monotonic() - started < args.duration:
-        time.sleep(args.print_period)
+        if args.microbatches and last_stage_microbatches(swarm) >= args.microbatches:
+            print(f"the last stage computed {args.microbatches} microbatches", flush=True)
+            break
+        time.sleep(min(args.print_period, max(0.0, args.duration - (time.monotonic() - started))))
         print(progress_line(swarm, time.monotonic() - started, args.print_period), flush=True)
     initial, final = loss_trend(swarm)
     vocab = 256 if args.tokenizer == "bytes" else args.vocab_size
@@ -120,14 +126,26 @@ def latest_val_loss(swarm: LocalSwarm) -> float:
     return max(evals, key=lambda e: e["t"])["val_loss"] if evals else math.nan
 
 
-def loss_trend(swarm: LocalSwarm) -> tuple[float, float]:
-    """Mean loss of the first and of the last LOSS_WINDOW microbatches the last stage computed."""
+def last_stage_microbatches(swarm: LocalSwarm) -> int:
+    """How many microbatches with a loss the last stage has computed, over all its peers."""
+    return len(last_stage_losses(swarm))
+
+
+def last_stage_losses(swarm: LocalSwarm) -> list[tuple[float, float]]:
+    """(time, loss) of every microbatch the last stage computed, oldest first."""
     stages = [e["stage"] for p in swarm.peers for e in p.events("microbatch")]
     if not stages:
-        raise RuntimeError("no microbatch completed")
+        return []
     last = max(stages)
-    losses = sorted((e["t"], e["loss"]) for p in swarm.peers for e in p.events("microbatch")
-                    if e["stage"] == last and e.get("loss") is not None)
+    return sorted((e["t"], e["loss"]) for p in swarm.peers for e in p.events("microbatch")
+                  if e["stage"] == last and e.get("loss") is not None)
+
+
+def loss_trend(swarm: LocalSwarm) -> tuple[float, float]:
+    """Mean loss of the first and of the last LOSS_WINDOW microbatches the last stage computed."""
+    losses = last_stage_losses(swarm)
+    if not losses:
+        raise RuntimeError("no microbatch completed")
     if len(losses) < 2 * LOSS_WINDOW:
         raise RuntimeError(f"only {len(losses)} microbatches completed")
     return (statistics.mean(l for _, l in losses[:LOSS_WINDOW]), statistics.mean(l for _, l in losses[-LOSS_WINDOW:]))

@@ -39,13 +39,22 @@ def drift(stage: Stage, seed: int, scale: float) -> None:
             stage.optimizer.state[param]["step"] = torch.tensor(float(STEPS))
 
 
-def run_one_round(averagers: list[StageAverager]) -> list[bool]:
+def run_one_round(averagers: list[StageAverager], tries: int = 3) -> list[bool]:
+    """One round of every averager, whose results say which applied it. A round in which no averager
+    found a group (a loaded CI host's averager processes missed the 1.5 s matchmaking window: every
+    result False, every averager counted a failed round) is tried again, at most ``tries`` times: the
+    claims are about a round that ran."""
     async def main():
         at = dht_time() + 3.0
         stop = asyncio.Event()
         return await asyncio.gather(*(a.run_round(at, stop) for a in averagers))
 
-    return asyncio.run(main())
+    for _ in range(tries):
+        failed_before = [a.num_failed_rounds for a in averagers]
+        results = asyncio.run(main())
+        if any(results) or not all(a.num_failed_rounds > n for a, n in zip(averagers, failed_before)):
+            return results
+    return results
 
 
 @pytest.mark.parametrize("dht_nodes", [4], indirect=True)
