@@ -6,8 +6,9 @@ The measured peak of one training step of one stage (bench/stage_memory.py: one 
 built) must be within 15 % of the estimate for two presets: ``tiny`` at the peer's defaults
 (microbatches of 16, four in flight) and ``small`` at microbatches of 2 (a step of a few seconds on
 two cores); stage 0 and the last stage of a 2-stage split, with and without checkpointing, in float32
-(the default), and two of them in bf16. The ten measurements run two at a time in one fixture:
-about 30 s on two idle cores.
+(the default), and both of tiny's stages in bf16 (small in bf16 took 76 s of the fixture's 155 s on an
+AMD host without AVX-512, where bf16 matmuls are emulated). The ten measurements run two at a time in
+one fixture: about 40 s on two idle cores.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from swarm.stage import Stage
 pytestmark = pytest.mark.xdist_group("memory_estimate")
 TOLERANCE = 0.15
 MEASURED = [(name, microbatch_size, stage, checkpointing, "fp32") for name, microbatch_size in (("tiny", 16), ("small", 2))
-            for stage in (0, 1) for checkpointing in (False, True)] + [("tiny", 16, 0, True, "bf16"), ("small", 2, 0, False, "bf16")]
+            for stage in (0, 1) for checkpointing in (False, True)] + [("tiny", 16, 0, True, "bf16"), ("tiny", 16, 1, False, "bf16")]
 
 
 def two_stage_spec(model: ModelSpec, *, microbatch_size: int, max_in_flight: int = 4, **fields) -> RunSpec:
