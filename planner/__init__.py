@@ -16,6 +16,9 @@ The package holds two kinds of planner, one per place:
   - ``backup_plan``: who keeps the backup of a lone holder's stage and who rescues a lost stage;
   - ``claims``: bounds on the figures peers claim about themselves (FLOP/s, samples/s, backup
     versions) by the other peers' figures, so one liar cannot steer those decisions;
+  - ``link_view``: one estimate per pair of peers from the link figures they publish (the worse of
+    both ends' figures; one end's, bounded by the swarm's), for the router's path and the planner's
+    link matrices;
   - ``replanning``: re-splitting the layers over the stages left after a stage is lost (seed 001 §3.4);
   - ``layer_split``, ``assembly``, ``costs``, ``plan``, ``snapshot``, ``runtime``: what ``replanning``
     builds on (the cost model that the offline planners and the simulator share, the bottleneck DP

@@ -15,7 +15,8 @@ vanished peer costs a retry, not the microbatch.
 
 With the ``replay`` recovery (:mod:`swarm.task_pool`) stage 0 draws the whole path at once
 (:meth:`Router.plan_path`, the same weights, with its own microbatches out at each peer as the queue
-signal); each hop sends to the planned peer and, if it is gone, to the first live stand-in in
+signal, and each hop after the first weighted by the link between its two peers as their records
+tell it, ``planner.link_view``: topology-aware, where the first hop's link is measured here); each hop sends to the planned peer and, if it is gone, to the first live stand-in in
 :func:`substitute_order`, so replays of one microbatch meet the replicas that already counted it.
 When the failure detector or a leave notice says a peer is gone, :meth:`Router.peer_down` stops
 sending it new work; a call to a peer that hangs fails at an adaptive deadline
@@ -52,6 +53,7 @@ from dht.rpc import (
 )
 from dht.wire import ProtocolError
 from planner.claims import cap_to_median
+from planner.link_view import LinkView
 from swarm.boundary_codec import BoundaryCodec, boundary_codec
 from swarm.links import LinkMeter
 from swarm.spot_check import SpotChecker
@@ -113,6 +115,13 @@ def latency_factors(latencies: Sequence[float | None]) -> list[float]:
     return [1.0 if t is None or t <= bound else max(MIN_LATENCY_FACTOR, bound / t) for t in latencies]
 
 
+def link_factors(links: LinkView, sender: str, candidates: Sequence[str], num_bytes: float) -> list[float]:
+    """Each candidate's weight factor by the link from ``sender``: :func:`latency_factors` of the time
+    to send it ``num_bytes`` and hear back (``planner.link_view``: both ends' published figures, the
+    worse of them; one end's, bounded by the swarm's; the typical link where none is known)."""
+    return latency_factors([links.transfer_seconds(sender, peer_id, num_bytes) for peer_id in candidates])
+
+
 def substitute_order(mb_id: str, peer_ids: Sequence[str]) -> list[str]:
     """The order in which a hop tries stand-ins for a microbatch's planned peer: rendezvous hashing of
     (microbatch id, peer id). Every peer that knows the same replicas derives the same order, so a
@@ -171,6 +180,7 @@ class Router:
         self._own_durations: dict[str, collections.deque[float]] = {}  # per peer, its answered calls
         self._probe: dict[str, float] = {}  # peer -> the longer deadline of its next call, after a timeout
         self.latency: dict[str, float] = {}  # peer -> smoothed duration of its calls (a timeout counts its deadline)
+        self.payload_bytes = 0  # the last forward request's tensors as sent: what a planned hop carries
 
     def _available(self, peer_id: str, now: float) -> bool:
         return (self.failed_until.get(peer_id, 0.0) <= now and not self.view.is_gone(peer_id)
@@ -186,16 +196,23 @@ class Router:
 
     def plan_path(self, stage_flops: Sequence[float]) -> list[str]:
         """Stage 0: a planned peer for each stage after the first (``stage_flops[s]``: FLOP per sample of
-        stage s), weighted like :meth:`choose` with this peer's microbatches out at each; "" where a
-        stage has no known peer (the hop then picks a stand-in)."""
+        stage s), weighted like :meth:`choose` with this peer's microbatches out at each, and each hop
+        after the first by the link from the peer planned before it (:func:`link_factors`: a stage-1
+        replica far from a stage-2 replica sends to a near one); "" where a stage has no known peer
+        (the hop then picks a stand-in)."""
         now = self.clock()
         path = []
+        links = self.view.links()
         for stage in range(1, len(stage_flops)):
             candidates = [r for r in self.view.members(stage) if self._available(r.peer_id, now)]
             if not candidates:
                 path.append("")
                 continue
             weights = hop_weights(candidates, self.path_in_flight, stage_flops[stage], self.latency)
+            sender = path[-1] if path else ""
+            if sender:  # the first hop's own calls are measured here (``latency``); later ones only by records
+                factors = link_factors(links, sender, [r.peer_id for r in candidates], self.payload_bytes)
+                weights = [weight * factor for weight, factor in zip(weights, factors, strict=True)]
             path.append(self.rng.choices(candidates, weights=weights, k=1)[0].peer_id)
         return path
 
@@ -339,6 +356,7 @@ class Router:
         mb_id = str(header.get("mb_id"))
         ids = tensors[1] if len(tensors) > 1 else None  # what a subspace run rebuilds its activations from
         wire = [*self.codec.encode_activations(tensors[0], ids), *tensors[1:]]  # once: re-sends and checks send these bytes
+        self.payload_bytes = sum(t.numel() * t.element_size() for t in wire)
         checker = self.spot_checker
         if checker is not None and checker.is_enabled and header.get("kind") != "eval":
             header = {**header, "fp": True}  # on every request, so a replica cannot tell which are checked

@@ -24,9 +24,11 @@ from collections.abc import Awaitable, Callable
 
 import hivemind
 
+from dht.link_figures import LinkFigure
 from dht.records import PeerRecord
 from dht.registry import fetch_peers
 from planner.claims import cap_to_median
+from planner.link_view import LinkClaim, LinkView
 
 RATE_STATES = ("training", "paused")  # peers whose samples/s is a measurement of their stage
 
@@ -75,6 +77,8 @@ class SwarmView:
         self._pending_read: asyncio.Future | None = None  # a read that callers of ``fresh`` share
         self._by_stage: dict[int, frozenset[str]] = {}  # stage -> peer ids, of ``_indexed``
         self._indexed: list[PeerRecord] | None = None  # the ``records`` list ``_by_stage`` was built from
+        self._links = LinkView((), ())
+        self._links_of: list[PeerRecord] | None = None  # the ``records`` list ``_links`` was built from
 
     async def refresh(self) -> list[PeerRecord]:
         started = self.clock()
@@ -164,6 +168,14 @@ class SwarmView:
         self._paced_at = self.clock()
         await self.refresh()
 
+    def links(self) -> LinkView:
+        """The link estimates of this view's records (``planner.link_view``), rebuilt once per read."""
+        if self._links_of is not self.records:
+            claims = [claim for r in self.records for claim in link_claims(r.peer_id, r.links)]
+            self._links = LinkView([r.peer_id for r in self.records], claims)
+            self._links_of = self.records
+        return self._links
+
     def members(self, stage: int, *, states: tuple[str, ...] = ("training",)) -> list[PeerRecord]:
         return [r for r in self.records if r.stage == stage and r.state in states and not self._has_departed(r)]
 
@@ -221,6 +233,13 @@ def carried_over(previous: list[PeerRecord], fetched: list[PeerRecord], last_see
     kept = [r for r in previous if r.peer_id not in found and last_seen.get(r.peer_id, float("-inf")) >= since
             and keep(r.peer_id)]
     return sorted([*fetched, *kept], key=lambda r: r.peer_id)
+
+
+def link_claims(reporter: str, figures: tuple[LinkFigure, ...]) -> list[LinkClaim]:
+    """``reporter``'s published link figures as the planner's claims (seconds, bytes/s; a goodput of
+    0 as none)."""
+    return [LinkClaim(reporter, f.peer_id, f.rtt_ms / 1000, f.mbit_per_s * 1e6 / 8 if f.mbit_per_s else None)
+            for f in figures]
 
 
 def bound_claims(records: list[PeerRecord]) -> list[PeerRecord]:
