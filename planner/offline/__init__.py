@@ -20,5 +20,8 @@ the live ``planner`` modules, never the other way round. docs/planner.md describ
 * ``baselines``: GPipe's even split, Petals' weakest block, SWARM-style rebalancing;
 * ``asteroid`` (seed 001) and ``spantrain`` (seed 002): the literature's planners;
 * ``simulator``: discrete-event simulation of a plan (pipeline, task pool, churn, averaging);
-* ``scenarios``: synthetic swarms (random regions, seed 000 Case 3) for the bench and tests.
+* ``scenarios``: synthetic swarms (random regions, seed 000 Case 3) for the bench and tests;
+* ``internet`` and ``lifetime``: a stated internet model (regions, home links, GPUs, churn) and an
+  event-level simulation of a swarm's life under it with the live join, rebalancing and
+  re-planning rules, at up to 10,000 peers (``bench/global_plan.py``).
 """

@@ -1,0 +1,344 @@
+"""A swarm's life at internet scale: churn, the live decision rules, and the throughput they give (issue #18).
+
+``offline.simulator`` runs one plan micro-batch by micro-batch; at 10,000 peers for an hour that is
+far too slow. This simulator runs at the level of events instead: volunteers arrive and leave
+(``offline.internet``'s churn trace), each arrival is placed by the live join rule, peers move by
+the live rebalancing rule, a stage nobody holds any more is re-planned away by the live re-planning
+rule, and between two events the swarm trains at the rate of its current layout, integrated over
+time.
+
+**The rules are the live peer's** (``planner.stage_choice``, ``planner.replanning``):
+
+* join: the stage of largest throughput deficit (``choose_stage``), counting the peers that serve
+  and the peers still pulling their state. Kept as running sums per stage here (calling
+  ``choose_stage`` on 10,000 members per arrival costs O(n log n) each);
+  ``tests/unit/test_lifetime.py`` checks the sums pick what ``choose_stage`` picks at every arrival
+  of a small swarm;
+* rebalance (mode ``"rebalance"``): every ``rebalance_period_s``, ``choose_move`` on the serving
+  peers with ``min_gain``, called as the live peer calls it; the named peer stops serving and pulls
+  the new stage's state;
+* a stage left with nobody: after ``failure_detect_s``, ``replan_layout`` re-splits the layers over
+  the stages still held (the live rescue from a backup keeper is not modelled: the stage is
+  re-planned away at once), and the peers whose stage gained layers pull those layers.
+
+Mode ``"even"`` is the bootstrap's even layout with the join rule only. The live global plan of
+issue #18 is not built yet, so it has no mode here.
+
+**Pulling state** takes ``stage state bytes / the peer's downlink`` (parameters and the two AdamW
+moments; the donors' uplinks are taken as never the bottleneck, which flatters big stages). The
+first peer of an empty stage initialises from the run seed at once.
+
+**Throughput** (:func:`fleet_throughput`) is ``planner.costs``' model, term by term, computed
+from sums kept per stage and per region instead of per pair, so one evaluation costs
+O(stages x regions^2) whatever the swarm's size:
+
+* compute: ``DT_k = m F_k / sum_p f_p`` (whole micro-batches to any replica: ``costs``'
+  water-filling with every member a server);
+* links: ``costs``' mean ``1 / beta`` over the pairs of two neighbouring stages over
+  ``n = min(|S_k|, |S_k+1|)`` streams, with a pair's bandwidth the sender's uplink (exact when no
+  receiver's downlink is below a sender's uplink; the internet model's downlinks are 5x the
+  uplinks, so only a 10 Mbit/s-up home receiving from a 50+ Mbit/s-up one breaks it), and the
+  mean round trip by region pairs plus both ends' access delays;
+* window: ``W = max_in_flight x |S_0|`` micro-batches over the round trip (Little's law).
+
+``tests/unit/test_lifetime.py`` checks it equals ``costs.estimate_throughput`` on small swarms
+built from the same draws.
+Averaging traffic is not counted (the pipeline's links only), nor memory beyond a check that every
+stage's state fits the smallest device the internet model draws.
+
+Pure: no clock of its own (``clock``, when given, times the decisions for the bench); the trace
+fixes every draw.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.offline.internet import MEMORY_GIB, REGIONS, ChurnTrace, region_rtt_seconds
+from planner.replanning import replan_layout
+from planner.snapshot import ModelProfile
+from planner.stage_choice import StageMember, choose_move
+
+MODES = ("even", "rebalance")
+STATE_BYTES_PER_PARAM_BYTE = 3.0  # what a joiner pulls per parameter byte: parameters and two AdamW moments
+
+
+@dataclass(frozen=True, kw_only=True)
+class LifetimeConfig:
+    """The runtime's settings the simulation uses (the live defaults)."""
+
+    num_stages: int = 8
+    rebalance_period_s: float = 60.0
+    min_gain: float = 0.2
+    max_in_flight: int = 4
+    compression_ratio: float = 1.0
+    failure_detect_s: float = 10.0
+
+
+@dataclass
+class LifetimeResult:
+    """What one simulated lifetime gave."""
+
+    mode: str
+    horizon_s: float
+    samples: float = 0.0
+    joins: int = 0
+    leaves: int = 0
+    moves: int = 0
+    replans: int = 0
+    decisions: int = 0
+    decision_seconds: float = 0.0  # summed over decisions, when a clock was given
+    max_decision_seconds: float = 0.0
+    final_stages: int = 0
+    online_min: int = 0  # peers online (serving or pulling state) after time 0
+    online_max: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Mean samples/s over the horizon."""
+        return self.samples / self.horizon_s
+
+
+@dataclass
+class _Fleet:
+    """Per-stage sums over the peers that serve (not those pulling state)."""
+
+    num_stages: int
+    num_regions: int
+    count: np.ndarray = field(init=False)
+    flops: np.ndarray = field(init=False)
+    inverse_uplink: np.ndarray = field(init=False)  # sum of 1 / uplink (s/B), for the pairs' mean 1 / beta
+    access: np.ndarray = field(init=False)
+    regions: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.count, self.flops, self.inverse_uplink, self.access = (np.zeros(self.num_stages) for _ in range(4))
+        self.regions = np.zeros((self.num_stages, self.num_regions))
+
+    def add(self, stage: int, peer: int, trace: ChurnTrace, sign: float = 1.0) -> None:
+        v = trace.volunteers
+        self.count[stage] += sign
+        self.flops[stage] += sign * v.flops[peer]
+        self.inverse_uplink[stage] += sign / v.uplink[peer]
+        self.access[stage] += sign * v.access_rtt_s[peer]
+        self.regions[stage, v.region[peer]] += sign
+
+
+def fleet_throughput(fleet: _Fleet, stage_costs: np.ndarray, boundary_bytes: np.ndarray, region_rtt: np.ndarray,
+                     *, microbatch_size: int, max_in_flight: int) -> float:
+    """Samples/s of the swarm's current layout: ``planner.costs.estimate_throughput`` from per-stage
+    sums (module docstring); 0 while a stage has nobody serving."""
+    count, mb = fleet.count, microbatch_size
+    if count.min() < 0.5:
+        return 0.0
+    terms = mb * stage_costs / fleet.flops  # DT_k: whole micro-batches shared by compute
+    round_trip = float((mb * stage_costs * count / fleet.flops).sum())  # on a mean member of every stage
+    if fleet.num_stages > 1:  # every boundary k -> k + 1 at once
+        streams = np.minimum(count[:-1], count[1:])
+        mean_inverse = fleet.inverse_uplink / count
+        forward, backward = mean_inverse[:-1] / streams, mean_inverse[1:] / streams  # s/B over n streams
+        num_bytes = mb * boundary_bytes
+        terms[:-1] = np.maximum(terms[:-1], np.maximum(forward, backward) * num_bytes)
+        rtt = (np.einsum("kr,rs,ks->k", fleet.regions[:-1], region_rtt, fleet.regions[1:]) / (count[:-1] * count[1:])
+               + fleet.access[:-1] / count[:-1] + fleet.access[1:] / count[1:])
+        round_trip += float((rtt + (forward + backward) * num_bytes).sum())
+    window = max_in_flight * count[0]
+    return mb / max(float(terms.max()), round_trip / window)
+
+
+class _Swarm:
+    """The simulated swarm's state: layout, who serves which stage, who pulls state until when."""
+
+    def __init__(self, trace: ChurnTrace, model: ModelProfile, config: LifetimeConfig) -> None:
+        self.trace, self.model, self.config = trace, model, config
+        self.layers = even_layers(model.num_layers, config.num_stages)
+        self.region_rtt = region_rtt_seconds(REGIONS)
+        self.serving: dict[int, int] = {}  # peer -> stage
+        self.syncing: dict[int, tuple[int, float]] = {}  # peer -> (stage, ready at)
+        self._shape()
+
+    def _shape(self) -> None:
+        """Per-stage figures of the current layout, and the sums rebuilt from the peers."""
+        model, config = self.model, self.config
+        self.stage_costs = np.array([sum(model.layer_flops[a:b]) for a, b in self.layers])
+        self.state_bytes = np.array([STATE_BYTES_PER_PARAM_BYTE * sum(model.layer_param_bytes[a:b]) for a, b in self.layers])
+        self.boundary_bytes = np.array([model.layer_activation_bytes[b - 1] * config.compression_ratio
+                                        for _, b in self.layers[:-1]])
+        smallest = min(MEMORY_GIB) * float(1 << 30)
+        if self.state_bytes.max() * (4 / 3) > smallest:  # with gradients: four copies of the parameters
+            raise ValueError(f"a stage of {self.state_bytes.max() / 3 / 2**30:.1f} GiB of parameters does not fit "
+                             f"a {min(MEMORY_GIB)} GiB device: use more stages")
+        self.fleet = _Fleet(len(self.layers), len(REGIONS))
+        self.deficit_sums = np.zeros(len(self.layers))  # sum of flops / cost over serving and syncing peers
+        self.holders = np.zeros(len(self.layers), dtype=np.int64)  # serving and syncing peers per stage
+        for peer, stage in self.serving.items():
+            self.fleet.add(stage, peer, self.trace)
+        for peer, stage in self._all_stages().items():
+            self.deficit_sums[stage] += self.trace.volunteers.flops[peer] / self.stage_costs[stage]
+            self.holders[stage] += 1
+
+    def _all_stages(self) -> dict[int, int]:
+        return {**self.serving, **{peer: stage for peer, (stage, _) in self.syncing.items()}}
+
+    def throughput(self) -> float:
+        return fleet_throughput(self.fleet, self.stage_costs, self.boundary_bytes, self.region_rtt,
+                                microbatch_size=self.model.microbatch_size, max_in_flight=self.config.max_in_flight)
+
+    def join_stage(self) -> int:
+        """``planner.stage_choice.choose_stage`` from the running sums: least deficit sum, lowest index."""
+        return int(min(range(len(self.layers)), key=lambda k: (self.deficit_sums[k], k)))
+
+    def place(self, peer: int, stage: int, now: float) -> float | None:
+        """Put ``peer`` on ``stage``: serving at once if the stage has nobody, else pulling its state;
+        returns when it is ready (None: at once)."""
+        self.deficit_sums[stage] += self.trace.volunteers.flops[peer] / self.stage_costs[stage]
+        self.holders[stage] += 1
+        if self.holders[stage] == 1:
+            self.serving[peer] = stage
+            self.fleet.add(stage, peer, self.trace)
+            return None
+        ready = now + float(self.state_bytes[stage] / self.trace.volunteers.downlink[peer])
+        self.syncing[peer] = (stage, ready)
+        return ready
+
+    def ready(self, peer: int, at: float) -> bool:
+        """``peer`` finished pulling (False: it left, moved or was re-planned meanwhile)."""
+        entry = self.syncing.get(peer)
+        if entry is None or entry[1] != at:
+            return False
+        del self.syncing[peer]
+        self.serving[peer] = entry[0]
+        self.fleet.add(entry[0], peer, self.trace)
+        return True
+
+    def remove(self, peer: int) -> int | None:
+        """``peer`` leaves; returns its stage (None if it had none)."""
+        if peer in self.serving:
+            stage = self.serving.pop(peer)
+            self.fleet.add(stage, peer, self.trace, sign=-1.0)
+        elif peer in self.syncing:
+            stage = self.syncing.pop(peer)[0]
+        else:
+            return None
+        self.deficit_sums[stage] -= self.trace.volunteers.flops[peer] / self.stage_costs[stage]
+        self.holders[stage] -= 1
+        return stage
+
+    def members(self) -> list[StageMember]:
+        flops = self.trace.volunteers.flops
+        return [StageMember(peer_id=f"{peer:06d}", stage=stage, flops=float(flops[peer]))
+                for peer, stage in self.serving.items()]
+
+    def num_held(self) -> int:
+        """Stages somebody serves or pulls."""
+        return int(np.count_nonzero(self.holders))
+
+    def replan(self, now: float) -> list[tuple[int, float]]:
+        """The live re-planning rule over the stages still held; returns (peer, ready at) of the
+        peers that now pull layers their stage gained."""
+        everyone = self._all_stages()
+        flops = self.trace.volunteers.flops
+        members = [StageMember(peer_id=f"{peer:06d}", stage=stage, flops=float(flops[peer])) for peer, stage in everyone.items()]
+        decision = replan_layout(tuple(self.layers), self.model.layer_flops, members)
+        if decision is None:
+            return []
+        gained = [0.0] * len(decision.stage_layers)
+        for migration in decision.migrations:
+            gained[migration.to_stage] += STATE_BYTES_PER_PARAM_BYTE * self.model.layer_param_bytes[migration.layer]
+        self.layers = decision.stage_layers
+        remap = {peer: decision.stage_map[stage] for peer, stage in everyone.items()}
+        self.serving, self.syncing = {}, {}
+        readies = []
+        for peer, stage in sorted(remap.items()):
+            if gained[stage] > 0:
+                ready = now + gained[stage] / float(self.trace.volunteers.downlink[peer])
+                self.syncing[peer] = (stage, ready)
+                readies.append((peer, ready))
+            else:
+                self.serving[peer] = stage
+        self._shape()
+        return readies
+
+
+def even_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """The bootstrap's even layout (``dht.records.even_stage_layers``, which the planner may not import)."""
+    bounds = [round(k * num_layers / num_stages) for k in range(num_stages + 1)]
+    return tuple((bounds[k], bounds[k + 1]) for k in range(num_stages))
+
+
+def simulate_lifetime(trace: ChurnTrace, model: ModelProfile, *, mode: str, config: LifetimeConfig | None = None,
+                      clock: Callable[[], float] | None = None) -> LifetimeResult:
+    """Run ``trace`` through the live rules in ``mode`` ("even" or "rebalance"; module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    config = config or LifetimeConfig()
+    swarm = _Swarm(trace, model, config)
+    result = LifetimeResult(mode=mode, horizon_s=trace.horizon_s, online_min=trace.volunteers.count)
+    queue: list[tuple[float, int, str, int]] = [(t, i, kind, peer) for i, (t, kind, peer) in enumerate(trace.events())]
+    sequence = len(queue)
+    if mode == "rebalance":
+        queue += [(k * config.rebalance_period_s, sequence + k, "rebalance", -1)
+                  for k in range(1, int(trace.horizon_s // config.rebalance_period_s) + 1)]
+        sequence += len(queue)
+    heapq.heapify(queue)
+    now, rate, replan_pending = 0.0, 0.0, False
+
+    def timed(decide: Callable[[], object]) -> object:
+        if clock is None:
+            return decide()
+        started = clock()
+        answer = decide()
+        seconds = clock() - started
+        result.decisions += 1
+        result.decision_seconds += seconds
+        result.max_decision_seconds = max(result.max_decision_seconds, seconds)
+        return answer
+
+    while queue:
+        at, _, kind, peer = heapq.heappop(queue)
+        if at > trace.horizon_s:
+            break
+        result.samples += float(rate * (at - now))
+        now = at
+        if kind == "join":
+            result.joins += 1
+            ready = swarm.place(peer, timed(swarm.join_stage), now)
+            if ready is not None:
+                heapq.heappush(queue, (ready, sequence, "ready", peer))
+                sequence += 1
+        elif kind == "leave":
+            result.leaves += 1
+            if swarm.remove(peer) is not None and swarm.num_held() < len(swarm.layers) and not replan_pending:
+                replan_pending = True
+                heapq.heappush(queue, (now + config.failure_detect_s, sequence, "replan", -1))
+                sequence += 1
+        elif kind == "ready":
+            swarm.ready(peer, at)
+        elif kind == "replan":
+            replan_pending = False
+            if swarm.num_held():
+                result.replans += len(swarm.layers) - swarm.num_held()
+                for moved, ready in swarm.replan(now):
+                    heapq.heappush(queue, (ready, sequence, "ready", moved))
+                    sequence += 1
+        elif kind == "rebalance":
+            move = timed(lambda: choose_move(list(swarm.stage_costs), swarm.members(), min_gain=config.min_gain))
+            if move is not None:
+                result.moves += 1
+                mover = int(move.peer_id)
+                swarm.remove(mover)
+                heapq.heappush(queue, (swarm.place(mover, move.to_stage, now) or now, sequence, "ready", mover))
+                sequence += 1
+        rate = swarm.throughput()
+        if now > 0:  # after the peers present at the start have joined
+            online = len(swarm.serving) + len(swarm.syncing)
+            result.online_min, result.online_max = min(result.online_min, online), max(result.online_max, online)
+    result.samples += float(rate * (trace.horizon_s - now))
+    result.final_stages = len(swarm.layers)
+    return result
+
+
