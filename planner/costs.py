@@ -44,11 +44,16 @@ seed 000's floor ``AT_k / d``: a step lasts at least the round.
 Throughput. The stage terms are resources working in parallel, so the pipeline's service time per
 micro-batch is their maximum; the window bounds it by Little's law with the round trip ``R`` of
 one micro-batch (its time on a mean server of every stage, both latencies and both transfers of
-every link)::
+every link, each over one pair of peers: a whole micro-batch goes to one replica, so its transfer
+takes ``n`` times what the boundary's ``n`` streams take per micro-batch)::
 
     term_k = max(DT_k, L_k, floor_k)
-    R = sum_k (m F_k / mean_{i in S_k} c_i) + sum_k (alpha_kf + alpha_kb + L_k^f + L_k^b)
+    R = sum_k (m F_k / mean_{i in S_k} c_i) + sum_k (alpha_kf + alpha_kb + n_k (L_k^f + L_k^b))
     throughput = m / max(max_k term_k, R / W)     samples per second; 0 when the plan does not fit
+
+Until 2026-11-27 ``R`` divided the transfers by ``n`` too, as if each micro-batch were cut over the
+stage's servers (seed 000's runtime): with many replicas per stage that made the window bound
+vanish (a swarm of 256 peers in 8 stages was credited 32x shorter transfers than one pair can make).
 
 Seed 000 Eq. 2 adds the link to the stage delay and charges both directions in one term; the
 simulator (``offline/simulator``) runs them as separate resources, and so does this model now.
@@ -260,23 +265,33 @@ class LinkTerms:
     round_trip_latency: float
     forward_per_byte: float
     backward_per_byte: float
+    num_streams: int = 1
 
     @property
     def bottleneck_per_byte(self) -> float:
         """The slower direction: the two directions are separate resources."""
         return max(self.forward_per_byte, self.backward_per_byte)
 
+    @property
+    def round_trip_per_byte(self) -> float:
+        """One micro-batch's forward and backward transfer, seconds per byte: a whole micro-batch
+        crosses one pair of peers, at ``mean(1 / beta)``, not over the ``n`` streams that the
+        boundary's capacity counts."""
+        return (self.forward_per_byte + self.backward_per_byte) * self.num_streams
+
 
 def estimate_link_terms(snapshot: SwarmSnapshot, senders: np.ndarray, receivers: np.ndarray) -> LinkTerms:
     """``LinkTerms`` of the link from server group ``senders`` to ``receivers`` (module doc)."""
     latency = snapshot.links.latency_delay
     bandwidth = snapshot.links.bandwidth
-    scale = snapshot.runtime.boundary_compression_ratio / min(senders.size, receivers.size)
+    streams = min(senders.size, receivers.size)
+    scale = snapshot.runtime.boundary_compression_ratio / streams
     forward, backward = np.ix_(senders, receivers), np.ix_(receivers, senders)
     return LinkTerms(
         round_trip_latency=float(latency[forward].mean() + latency[backward].mean()),
         forward_per_byte=float((1.0 / bandwidth[forward]).mean()) * scale,
         backward_per_byte=float((1.0 / bandwidth[backward]).mean()) * scale,
+        num_streams=int(streams),
     )
 
 
@@ -337,7 +352,7 @@ def estimate_plan_costs(snapshot: SwarmSnapshot, plan: Plan) -> PlanCosts:
             slowdown = 1.0 / (1.0 - estimate_averaging_share(model, group, a, b, runtime=runtime))
             num_bytes = model.microbatch_size * model.layer_activation_bytes[b - 1] * slowdown
             terms[k] = max(terms[k], link.bottleneck_per_byte * num_bytes)
-            round_trip += link.round_trip_latency + (link.forward_per_byte + link.backward_per_byte) * num_bytes
+            round_trip += link.round_trip_latency + link.round_trip_per_byte * num_bytes
     fits &= bool(np.all(np.isfinite(terms)))
     return PlanCosts(stage_terms=terms, round_trip=round_trip, window=window, is_within_memory=fits)
 

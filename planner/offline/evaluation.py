@@ -178,7 +178,7 @@ class ArrangementScorer:
                     model, self._group(servers, clients), start, end, runtime=self.snapshot.runtime
                 )
                 num_bytes = model.microbatch_size * model.layer_activation_bytes[end - 1] / (1.0 - share)
-                seconds += link.round_trip_latency + (link.forward_per_byte + link.backward_per_byte) * num_bytes
+                seconds += link.round_trip_latency + link.round_trip_per_byte * num_bytes
             start = end
         return seconds
 

@@ -39,7 +39,8 @@ O(stages x regions^2) whatever the swarm's size:
   receiver's downlink is below a sender's uplink; the internet model's downlinks are 5x the
   uplinks, so only a 10 Mbit/s-up home receiving from a 50+ Mbit/s-up one breaks it), and the
   mean round trip by region pairs plus both ends' access delays;
-* window: ``W = max_in_flight x |S_0|`` micro-batches over the round trip (Little's law).
+* window: ``W = max_in_flight x |S_0|`` micro-batches over the round trip (Little's law), whose
+  transfers each cross one pair of peers.
 
 ``tests/unit/test_lifetime.py`` checks it equals ``costs.estimate_throughput`` on small swarms
 built from the same draws.
@@ -145,7 +146,7 @@ def fleet_throughput(fleet: _Fleet, stage_costs: np.ndarray, boundary_bytes: np.
         terms[:-1] = np.maximum(terms[:-1], np.maximum(forward, backward) * num_bytes)
         rtt = (np.einsum("kr,rs,ks->k", fleet.regions[:-1], region_rtt, fleet.regions[1:]) / (count[:-1] * count[1:])
                + fleet.access[:-1] / count[:-1] + fleet.access[1:] / count[1:])
-        round_trip += float((rtt + (forward + backward) * num_bytes).sum())
+        round_trip += float((rtt + (forward + backward) * streams * num_bytes).sum())  # one pair per micro-batch
     window = max_in_flight * count[0]
     return mb / max(float(terms.max()), round_trip / window)
 

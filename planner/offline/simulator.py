@@ -10,7 +10,10 @@ Model (seed 000 §3.2 runtime, timed as in §4.1):
   members currently known alive; a server computes its chunk, a client also fetches its input from
   and returns its output to the servers: ``2 alpha + w (F / c + (t_in + t_out) / beta)`` per pass.
 * Between stages, activations and gradients cross a FIFO link per direction: serialisation
-  ``m t / n * mean(1 / beta)`` occupies the link, latency ``mean(alpha)`` is added on top.
+  ``m t / n * mean(1 / beta)`` occupies the link, latency ``mean(alpha)`` is added on top. With
+  whole micro-batches (below) the link is ``n`` lanes instead, each micro-batch on the first free
+  one for ``m t * mean(1 / beta)``: the same capacity, and one micro-batch's transfer as long as
+  one pair of peers makes it.
 * Churn: each unreliable device disconnects during a step with ``disconnect_probability``, at a
   uniform time, and is back at the next step (seed 000 §4.1 Case 4). Its unfinished chunks are
   noticed ``failure_detect_delay`` later; with the task pool they go to the stage's least loaded
@@ -184,8 +187,8 @@ def _build_stage_models(snapshot: SwarmSnapshot, plan: Plan) -> list[_StageModel
     return stages
 
 
-def _build_links(snapshot: SwarmSnapshot, plan: Plan, *, is_averaging: bool) -> list[tuple[float, float, float, float]]:
-    """Per boundary k -> k+1: (forward latency, forward seconds per byte, backward ..., ...).
+def _build_links(snapshot: SwarmSnapshot, plan: Plan, *, is_averaging: bool) -> list[tuple[float, ...]]:
+    """Per boundary k -> k+1: (forward latency, forward seconds per byte, backward ..., ..., streams).
 
     ``costs.estimate_link_terms`` between all servers of both stages; background averaging of
     stage k takes its share of the link (``costs.estimate_averaging_share``).
@@ -204,7 +207,7 @@ def _build_links(snapshot: SwarmSnapshot, plan: Plan, *, is_averaging: bool) -> 
         forward, backward = np.ix_(senders, receivers), np.ix_(receivers, senders)
         links.append((
             float(latency[forward].mean()), terms.forward_per_byte / (1.0 - share),
-            float(latency[backward].mean()), terms.backward_per_byte / (1.0 - share),
+            float(latency[backward].mean()), terms.backward_per_byte / (1.0 - share), terms.num_streams,
         ))
     return links
 
@@ -232,7 +235,11 @@ class _StepRun:
         self.down: set[int] = set()
         self.known_down: set[int] = set()
         self.detect_time: dict[int, float] = {}
-        self.link_free = [[0.0, 0.0] for _ in links]
+        # per boundary and direction, when each lane is free: whole micro-batches cross one pair of
+        # peers each, so a boundary is n lanes at n times the aggregate's seconds per byte (its
+        # capacity unchanged, one micro-batch's transfer n times longer); chunks share one aggregate lane
+        self.link_free = [[[0.0] * (int(link[4]) if config.is_whole_microbatch else 1) for _ in range(2)]
+                          for link in links]
         self.pending: dict[tuple, int] = {}
         self.num_microbatches = num_microbatches
         self.generation = [0] * num_microbatches
@@ -384,10 +391,12 @@ class _StepRun:
             latency, per_byte = self.links[boundary][2 * direction: 2 * direction + 2]
             layer_end = self.layer_ends[boundary]
             num_bytes = self.model.microbatch_size * self.model.layer_activation_bytes[layer_end - 1]
-            start = max(self.time, self.link_free[boundary][direction])
-            self.link_free[boundary][direction] = start + num_bytes * per_byte
+            lanes = self.link_free[boundary][direction]
+            lane = min(range(len(lanes)), key=lanes.__getitem__)
+            start = max(self.time, lanes[lane])
+            lanes[lane] = start + num_bytes * per_byte * len(lanes)
             target = k + 1 if direction == 0 else k - 1
-            self.push(self.link_free[boundary][direction] + latency, "arrive", mb, gen, target, direction)
+            self.push(lanes[lane] + latency, "arrive", mb, gen, target, direction)
 
     def on_arrive(self, mb: int, gen: int, k: int, direction: int) -> None:
         if gen == self.generation[mb]:

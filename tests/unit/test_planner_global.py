@@ -133,12 +133,14 @@ def test_the_plan_needs_no_seed_and_ignores_names() -> None:
 
 
 def test_where_the_model_and_the_simulator_disagree_the_models_promise_is_kept() -> None:
-    """Two clusters of two GPUs, two micro-batches in flight: the model puts Asteroid's plan
-    (96.98 samples/s) above the even partition (96.27); the simulator, which queues, gives them
-    75.8 and 96.7. No plan keeps both promises; the one returned keeps the model's."""
+    """Two clusters of three GPUs, two micro-batches in flight: the model puts Asteroid's plan
+    (104.2 samples/s) above the even partition (92.6); the simulator, which queues, gives them
+    81.5 and 93.0. No plan keeps both promises; the one returned keeps the model's. (The instance
+    before the round trip's transfers counted one pair of peers, seed 7862752 with clusters of two,
+    no longer disagrees, nor does any of 200 seeds of that shape.)"""
     model = build_transformer_profile(num_layers=3, hidden_size=2048, sequence_length=1024, microbatch_size=4, num_microbatches=8)
     snapshot = build_clustered_snapshot(
-        np.random.default_rng(7862752), model=model, num_clusters=2, cluster_size=2, num_edge=0,
+        np.random.default_rng(19), model=model, num_clusters=2, cluster_size=3, num_edge=0,
         cluster_memory_bytes=(1 * GIGABYTE, 2 * GIGABYTE, 4 * GIGABYTE), edge_memory_bytes=(0.5e9, 3e9),
     )
     snapshot = replace(snapshot, runtime=RuntimeSettings(max_in_flight_per_peer=2))
