@@ -3,11 +3,13 @@
 Prints one JSON line per (peers, mode, compression):
 
     {"bench": "global_plan_sim", "peers": N, "mode": "even" | "rebalance", "compression_ratio": r,
-     "throughput": samples/s, "planning_seconds": mean per decision, "planning_seconds_max": ...,
+     "stages": S, "max_in_flight": 8, "bound_compute" | "bound_links" | "bound_window": samples/s each
+     part of the cost model allows at the end, "throughput": mean samples/s over the hour, "planning_seconds": mean per decision, "planning_seconds_max": ...,
      "decisions": ..., "moves": ..., "replans": ..., "joins": ..., "leaves": ..., "online_min": ...,
      "online_max": ..., "sim_seconds": wall-clock of the whole simulation, "simulated_seconds": ...}
 
 Run: .venv/bin/python bench/global_plan.py [--peers 256,1000,10000] [--hours 1] [--compression 1,0.03125]
+[--stages 8]
 
 Each run draws one churn trace per swarm size (``planner.offline.internet``: nine regions, home
 uplinks of 10–100 Mbit/s, 10–80 TFLOP/s, log-normal sessions of median 2 h, Poisson arrivals that
@@ -15,7 +17,9 @@ keep N online) and runs it through ``planner.offline.lifetime`` in each mode, on
 "even" (the bootstrap's even layout, the live join rule only) and "rebalance" (plus the live
 rebalancing rule every 60 s at a 20 % gain). The live global plan has no mode yet (not built).
 The model: 24 identical transformer layers (hidden 2048, 1024 tokens, about 1.2 B parameters),
-micro-batches of 4, 8 stages. ``--compression`` sets the boundary codec's byte ratio (1/32: the
+micro-batches of 4, 8 stages by default (each holds 3 layers: parameters, gradients and AdamW moments
+fit the smallest device drawn, 8 GiB), 8 micro-batches in flight per stage-0 peer (the live
+``--max-in-flight``). ``--compression`` sets the boundary codec's byte ratio (1/32: the
 subspace boundary with int8 of issue #16, about 35x).
 
 The harness modes of issue #18 (the same three layouts on the network harness, ``"bench":
@@ -25,6 +29,7 @@ The harness modes of issue #18 (the same three layouts on the network harness, `
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -46,17 +51,21 @@ def main() -> None:
     parser.add_argument("--peers", default="256,1000,10000", help="swarm sizes, comma-separated")
     parser.add_argument("--hours", type=float, default=1.0, help="simulated hours (default: 1)")
     parser.add_argument("--compression", default="1,0.03125", help="boundary byte ratios, comma-separated")
+    parser.add_argument("--stages", default="8", help="numbers of stages, comma-separated (default: 8)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     for peers in (int(p) for p in args.peers.split(",")):
         trace = churn_trace(np.random.default_rng(args.seed), peers, args.hours * 3600)
-        for ratio in (float(r) for r in args.compression.split(",")):
+        for ratio, stages in itertools.product((float(r) for r in args.compression.split(",")),
+                                               (int(s) for s in args.stages.split(","))):
             for mode in MODES:
                 started = time.perf_counter()
-                result = simulate_lifetime(trace, MODEL, mode=mode, config=LifetimeConfig(compression_ratio=ratio),
-                                           clock=time.perf_counter)
+                config = LifetimeConfig(compression_ratio=ratio, num_stages=stages)
+                result = simulate_lifetime(trace, MODEL, mode=mode, config=config, clock=time.perf_counter)
                 print(json.dumps({
                     "bench": "global_plan_sim", "peers": peers, "mode": mode, "compression_ratio": ratio,
+                    "stages": stages, "max_in_flight": config.max_in_flight,
+                    **{f"bound_{k}": round(v, 2) for k, v in result.final_bounds.items()},
                     "throughput": round(result.throughput, 3),
                     "planning_seconds": round(result.decision_seconds / max(result.decisions, 1), 6),
                     "planning_seconds_max": round(result.max_decision_seconds, 4), "decisions": result.decisions,

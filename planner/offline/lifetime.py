@@ -54,6 +54,7 @@ fixes every draw.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,7 +76,7 @@ class LifetimeConfig:
     num_stages: int = 8
     rebalance_period_s: float = 60.0
     min_gain: float = 0.2
-    max_in_flight: int = 4
+    max_in_flight: int = 8  # per stage-0 peer: ``--max-in-flight``'s default (flow control stays at or below it)
     compression_ratio: float = 1.0
     failure_detect_s: float = 10.0
 
@@ -95,6 +96,7 @@ class LifetimeResult:
     decision_seconds: float = 0.0  # summed over decisions, when a clock was given
     max_decision_seconds: float = 0.0
     final_stages: int = 0
+    final_bounds: dict[str, float] = field(default_factory=dict)  # fleet_bounds at the horizon
     online_min: int = 0  # peers online (serving or pulling state) after time 0
     online_max: int = 0
 
@@ -129,26 +131,37 @@ class _Fleet:
         self.regions[stage, v.region[peer]] += sign
 
 
-def fleet_throughput(fleet: _Fleet, stage_costs: np.ndarray, boundary_bytes: np.ndarray, region_rtt: np.ndarray,
-                     *, microbatch_size: int, max_in_flight: int) -> float:
-    """Samples/s of the swarm's current layout: ``planner.costs.estimate_throughput`` from per-stage
-    sums (module docstring); 0 while a stage has nobody serving."""
+def fleet_bounds(fleet: _Fleet, stage_costs: np.ndarray, boundary_bytes: np.ndarray, region_rtt: np.ndarray,
+                 *, microbatch_size: int, max_in_flight: int) -> dict[str, float]:
+    """Samples/s each part of ``planner.costs``' model allows the current layout, from per-stage sums
+    (module docstring): ``compute`` (the slowest stage's ``m / DT_k``), ``links`` (the slowest
+    boundary direction) and ``window`` (``W m / R``); all 0 while a stage has nobody serving."""
     count, mb = fleet.count, microbatch_size
     if count.min() < 0.5:
-        return 0.0
-    terms = mb * stage_costs / fleet.flops  # DT_k: whole micro-batches shared by compute
+        return {"compute": 0.0, "links": 0.0, "window": 0.0}
+    compute = mb * stage_costs / fleet.flops  # DT_k: whole micro-batches shared by compute
+    links = np.zeros(1)
     round_trip = float((mb * stage_costs * count / fleet.flops).sum())  # on a mean member of every stage
     if fleet.num_stages > 1:  # every boundary k -> k + 1 at once
         streams = np.minimum(count[:-1], count[1:])
         mean_inverse = fleet.inverse_uplink / count
         forward, backward = mean_inverse[:-1] / streams, mean_inverse[1:] / streams  # s/B over n streams
         num_bytes = mb * boundary_bytes
-        terms[:-1] = np.maximum(terms[:-1], np.maximum(forward, backward) * num_bytes)
+        links = np.maximum(forward, backward) * num_bytes
         rtt = (np.einsum("kr,rs,ks->k", fleet.regions[:-1], region_rtt, fleet.regions[1:]) / (count[:-1] * count[1:])
                + fleet.access[:-1] / count[:-1] + fleet.access[1:] / count[1:])
         round_trip += float((rtt + (forward + backward) * streams * num_bytes).sum())  # one pair per micro-batch
     window = max_in_flight * count[0]
-    return mb / max(float(terms.max()), round_trip / window)
+    return {"compute": mb / float(compute.max()), "links": mb / float(links.max()) if links.max() > 0 else math.inf,
+            "window": mb * window / round_trip}
+
+
+def fleet_throughput(fleet: _Fleet, stage_costs: np.ndarray, boundary_bytes: np.ndarray, region_rtt: np.ndarray,
+                     *, microbatch_size: int, max_in_flight: int) -> float:
+    """Samples/s of the swarm's current layout: ``planner.costs.estimate_throughput`` from per-stage
+    sums, the least of :func:`fleet_bounds`."""
+    return min(fleet_bounds(fleet, stage_costs, boundary_bytes, region_rtt, microbatch_size=microbatch_size,
+                            max_in_flight=max_in_flight).values())
 
 
 class _Swarm:
@@ -185,9 +198,12 @@ class _Swarm:
     def _all_stages(self) -> dict[int, int]:
         return {**self.serving, **{peer: stage for peer, (stage, _) in self.syncing.items()}}
 
+    def bounds(self) -> dict[str, float]:
+        return fleet_bounds(self.fleet, self.stage_costs, self.boundary_bytes, self.region_rtt,
+                            microbatch_size=self.model.microbatch_size, max_in_flight=self.config.max_in_flight)
+
     def throughput(self) -> float:
-        return fleet_throughput(self.fleet, self.stage_costs, self.boundary_bytes, self.region_rtt,
-                                microbatch_size=self.model.microbatch_size, max_in_flight=self.config.max_in_flight)
+        return min(self.bounds().values())
 
     def join_stage(self) -> int:
         """``planner.stage_choice.choose_stage`` from the running sums: least deficit sum, lowest index."""
@@ -340,6 +356,7 @@ def simulate_lifetime(trace: ChurnTrace, model: ModelProfile, *, mode: str, conf
             result.online_min, result.online_max = min(result.online_min, online), max(result.online_max, online)
     result.samples += float(rate * (trace.horizon_s - now))
     result.final_stages = len(swarm.layers)
+    result.final_bounds = swarm.bounds()
     return result
 
 
