@@ -292,71 +292,86 @@ def simulate_lifetime(trace: ChurnTrace, model: ModelProfile, *, mode: str, conf
     """Run ``trace`` through the live rules in ``mode`` ("even" or "rebalance"; module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    config = config or LifetimeConfig()
-    swarm = _Swarm(trace, model, config)
-    result = LifetimeResult(mode=mode, horizon_s=trace.horizon_s, online_min=trace.volunteers.count)
-    queue: list[tuple[float, int, str, int]] = [(t, i, kind, peer) for i, (t, kind, peer) in enumerate(trace.events())]
-    sequence = len(queue)
-    if mode == "rebalance":
-        queue += [(k * config.rebalance_period_s, sequence + k, "rebalance", -1)
-                  for k in range(1, int(trace.horizon_s // config.rebalance_period_s) + 1)]
-        sequence += len(queue)
-    heapq.heapify(queue)
-    now, rate, replan_pending = 0.0, 0.0, False
+    return _Lifetime(trace, model, mode, config or LifetimeConfig(), clock).run()
 
-    def timed(decide: Callable[[], object]) -> object:
-        if clock is None:
+
+class _Lifetime:
+    """The event loop of :func:`simulate_lifetime`: a heap of (time, sequence, kind, peer)."""
+
+    def __init__(self, trace: ChurnTrace, model: ModelProfile, mode: str, config: LifetimeConfig,
+                 clock: Callable[[], float] | None) -> None:
+        self.trace, self.config, self.clock = trace, config, clock
+        self.swarm = _Swarm(trace, model, config)
+        self.result = LifetimeResult(mode=mode, horizon_s=trace.horizon_s, online_min=trace.volunteers.count)
+        self.queue: list[tuple[float, int, str, int]] = [(t, i, kind, peer) for i, (t, kind, peer) in enumerate(trace.events())]
+        if mode == "rebalance":
+            self.queue += [(k * config.rebalance_period_s, len(self.queue) + k - 1, "rebalance", -1)
+                           for k in range(1, int(trace.horizon_s // config.rebalance_period_s) + 1)]
+        self.sequence = len(self.queue)
+        heapq.heapify(self.queue)
+        self.now, self.replan_pending = 0.0, False
+
+    def run(self) -> LifetimeResult:
+        result, swarm, rate = self.result, self.swarm, 0.0
+        handlers = {"join": self.on_join, "leave": self.on_leave, "ready": lambda peer: swarm.ready(peer, self.now),
+                    "replan": self.on_replan, "rebalance": self.on_rebalance}
+        while self.queue:
+            at, _, kind, peer = heapq.heappop(self.queue)
+            if at > self.trace.horizon_s:
+                break
+            result.samples += float(rate * (at - self.now))
+            self.now = at
+            handlers[kind](peer)
+            rate = swarm.throughput()
+            if self.now > 0:  # after the peers present at the start have joined
+                online = len(swarm.serving) + len(swarm.syncing)
+                result.online_min, result.online_max = min(result.online_min, online), max(result.online_max, online)
+        result.samples += float(rate * (self.trace.horizon_s - self.now))
+        result.final_stages = len(swarm.layers)
+        result.final_bounds = swarm.bounds()
+        return result
+
+    def push(self, at: float, kind: str, peer: int) -> None:
+        heapq.heappush(self.queue, (at, self.sequence, kind, peer))
+        self.sequence += 1
+
+    def timed(self, decide: Callable[[], object]) -> object:
+        """``decide()``, timed by the clock when one was given."""
+        if self.clock is None:
             return decide()
-        started = clock()
+        started = self.clock()
         answer = decide()
-        seconds = clock() - started
-        result.decisions += 1
-        result.decision_seconds += seconds
-        result.max_decision_seconds = max(result.max_decision_seconds, seconds)
+        seconds = self.clock() - started
+        self.result.decisions += 1
+        self.result.decision_seconds += seconds
+        self.result.max_decision_seconds = max(self.result.max_decision_seconds, seconds)
         return answer
 
-    while queue:
-        at, _, kind, peer = heapq.heappop(queue)
-        if at > trace.horizon_s:
-            break
-        result.samples += float(rate * (at - now))
-        now = at
-        if kind == "join":
-            result.joins += 1
-            ready = swarm.place(peer, timed(swarm.join_stage), now)
-            if ready is not None:
-                heapq.heappush(queue, (ready, sequence, "ready", peer))
-                sequence += 1
-        elif kind == "leave":
-            result.leaves += 1
-            if swarm.remove(peer) is not None and swarm.num_held() < len(swarm.layers) and not replan_pending:
-                replan_pending = True
-                heapq.heappush(queue, (now + config.failure_detect_s, sequence, "replan", -1))
-                sequence += 1
-        elif kind == "ready":
-            swarm.ready(peer, at)
-        elif kind == "replan":
-            replan_pending = False
-            if swarm.num_held():
-                result.replans += len(swarm.layers) - swarm.num_held()
-                for moved, ready in swarm.replan(now):
-                    heapq.heappush(queue, (ready, sequence, "ready", moved))
-                    sequence += 1
-        elif kind == "rebalance":
-            move = timed(lambda: choose_move(list(swarm.stage_costs), swarm.members(), min_gain=config.min_gain))
-            if move is not None:
-                result.moves += 1
-                mover = int(move.peer_id)
-                swarm.remove(mover)
-                heapq.heappush(queue, (swarm.place(mover, move.to_stage, now) or now, sequence, "ready", mover))
-                sequence += 1
-        rate = swarm.throughput()
-        if now > 0:  # after the peers present at the start have joined
-            online = len(swarm.serving) + len(swarm.syncing)
-            result.online_min, result.online_max = min(result.online_min, online), max(result.online_max, online)
-    result.samples += float(rate * (trace.horizon_s - now))
-    result.final_stages = len(swarm.layers)
-    result.final_bounds = swarm.bounds()
-    return result
+    def on_join(self, peer: int) -> None:
+        self.result.joins += 1
+        ready = self.swarm.place(peer, self.timed(self.swarm.join_stage), self.now)
+        if ready is not None:
+            self.push(ready, "ready", peer)
 
+    def on_leave(self, peer: int) -> None:
+        self.result.leaves += 1
+        swarm = self.swarm
+        if swarm.remove(peer) is not None and swarm.num_held() < len(swarm.layers) and not self.replan_pending:
+            self.replan_pending = True
+            self.push(self.now + self.config.failure_detect_s, "replan", -1)
 
+    def on_replan(self, _: int) -> None:
+        self.replan_pending = False
+        if self.swarm.num_held():
+            self.result.replans += len(self.swarm.layers) - self.swarm.num_held()
+            for moved, ready in self.swarm.replan(self.now):
+                self.push(ready, "ready", moved)
+
+    def on_rebalance(self, _: int) -> None:
+        swarm = self.swarm
+        move = self.timed(lambda: choose_move(list(swarm.stage_costs), swarm.members(), min_gain=self.config.min_gain))
+        if move is not None:
+            self.result.moves += 1
+            mover = int(move.peer_id)
+            swarm.remove(mover)
+            self.push(swarm.place(mover, move.to_stage, self.now) or self.now, "ready", mover)
