@@ -21,8 +21,10 @@ class RuntimeSettings:
 
     Attributes:
         max_in_flight_per_peer: micro-batches each stage-0 server keeps in the pipeline at once
-            (``--max-in-flight``, 4); the window of the whole pipeline is this times the number
-            of stage-0 servers. Change it when the runtime's default changes.
+            (``--max-in-flight``); the window of the whole pipeline is this times the number
+            of stage-0 servers. The default here, 4, is what the planner's benches and tests were
+            tuned and measured with; the live peer's ``--max-in-flight`` is 8 since issue #16
+            (flow control keeps the window at or below it), and the lifetime simulator uses 8.
         boundary_compression_ratio: bytes sent across a stage boundary per byte of the layer's
             output as profiled (1.0: as computed; 0.5: bf16/fp16 of fp32; 1/3.76: int8 of fp32).
         averaging_period: seconds between a stage's averaging rounds (``--averaging-period``, 15);
