@@ -16,7 +16,8 @@ vanished peer costs a retry, not the microbatch.
 With the ``replay`` recovery (:mod:`swarm.task_pool`) stage 0 draws the whole path at once
 (:meth:`Router.plan_path`, the same weights, with its own microbatches out at each peer as the queue
 signal, and each hop after the first weighted by the link between its two peers as their records
-tell it, ``planner.link_view``: topology-aware, where the first hop's link is measured here); each hop sends to the planned peer and, if it is gone, to the first live stand-in in
+tell it, ``planner.link_view``: topology-aware, where the first hop's link is measured here); each
+hop sends to the planned peer and, if it is gone, to the first live stand-in in
 :func:`substitute_order`, so replays of one microbatch meet the replicas that already counted it.
 When the failure detector or a leave notice says a peer is gone, :meth:`Router.peer_down` stops
 sending it new work; a call to a peer that hangs fails at an adaptive deadline
