@@ -64,13 +64,6 @@ class LinkEstimate:
     rtt_s: float | None
     bytes_per_s: float | None
 
-    def transfer_seconds(self, num_bytes: float, typical: LinkEstimate) -> float:
-        """Time to send ``num_bytes`` over this link and hear back: round trip plus serialisation,
-        each unknown part taken from ``typical``."""
-        rtt = self.rtt_s if self.rtt_s is not None else typical.rtt_s
-        rate = self.bytes_per_s if self.bytes_per_s is not None else typical.bytes_per_s
-        return float(rtt or 0.0) + num_bytes / float(rate or DEFAULT_BYTES_PER_S)
-
 
 class LinkView:
     """Pairwise link estimates from published claims, bounded as the module docstring says."""
@@ -91,28 +84,31 @@ class LinkView:
         typical_rate = _median_of_medians(worst.values(), lambda c: c.bytes_per_s)
         self.typical = LinkEstimate(typical_rtt if typical_rtt is not None else DEFAULT_RTT_S,
                                     typical_rate if typical_rate is not None else DEFAULT_BYTES_PER_S)
-        self.rtt_floor = None if typical_rtt is None else typical_rtt / max_ratio
-        self.rate_cap = None if typical_rate is None else typical_rate * max_ratio
+        # a one-sided figure implies the typical one was measured, so the defaults never bound anything
+        self.rtt_floor, self.rate_cap = self.typical.rtt_s / max_ratio, self.typical.bytes_per_s * max_ratio
 
     def estimate(self, a: str, b: str) -> LinkEstimate:
         """The link between ``a`` and ``b`` (symmetric)."""
         ab, ba = self._claims.get((a, b)), self._claims.get((b, a))
         if ab is not None and ba is not None:
-            rates = [c.bytes_per_s for c in (ab, ba) if c.bytes_per_s is not None]
-            return LinkEstimate(max(ab.rtt_s, ba.rtt_s), min(rates) if rates else None)
+            both = _worse(ab, ba)
+            return LinkEstimate(both.rtt_s, both.bytes_per_s)
         one = ab or ba
         if one is None:
             return LinkEstimate(None, None)
-        rtt = one.rtt_s if self.rtt_floor is None else max(one.rtt_s, self.rtt_floor)
-        rate = one.bytes_per_s
-        if rate is not None and self.rate_cap is not None:
-            rate = min(rate, self.rate_cap)
-        return LinkEstimate(rtt, rate)
+        return LinkEstimate(max(one.rtt_s, self.rtt_floor),
+                            None if one.bytes_per_s is None else min(one.bytes_per_s, self.rate_cap))
+
+    def known_or_typical(self, a: str, b: str) -> tuple[float, float]:
+        """(round trip, goodput) between ``a`` and ``b``, the typical link's figure for each one unknown."""
+        link = self.estimate(a, b)
+        return (link.rtt_s if link.rtt_s is not None else self.typical.rtt_s,
+                link.bytes_per_s if link.bytes_per_s is not None else self.typical.bytes_per_s)
 
     def transfer_seconds(self, a: str, b: str, num_bytes: float) -> float:
-        """Round trip plus ``num_bytes`` of serialisation between ``a`` and ``b``; the typical link's
-        figures where this one has none."""
-        return self.estimate(a, b).transfer_seconds(num_bytes, self.typical)
+        """Round trip plus ``num_bytes`` of serialisation between ``a`` and ``b`` (:meth:`known_or_typical`)."""
+        rtt, rate = self.known_or_typical(a, b)
+        return rtt + num_bytes / rate
 
     def matrix(self, peer_ids: Sequence[str]) -> LinkMatrix:
         """The planner's matrices (``planner.snapshot``) over ``peer_ids`` in that order: one-way
@@ -122,9 +118,8 @@ class LinkView:
         bandwidth = np.full((size, size), np.inf)
         for i, a in enumerate(peer_ids):
             for j in range(i + 1, size):
-                link = self.estimate(a, peer_ids[j])
-                latency[i, j] = latency[j, i] = (link.rtt_s if link.rtt_s is not None else self.typical.rtt_s) / 2
-                rate = link.bytes_per_s if link.bytes_per_s is not None else self.typical.bytes_per_s
+                rtt, rate = self.known_or_typical(a, peer_ids[j])
+                latency[i, j] = latency[j, i] = rtt / 2
                 bandwidth[i, j] = bandwidth[j, i] = rate
         return LinkMatrix(latency_delay=latency, bandwidth=bandwidth)
 

@@ -91,7 +91,7 @@ def run_demo(swarm: LocalSwarm, args: argparse.Namespace) -> int:
     print(f"{args.num_peers} peers training; running for {args.duration:.0f}s{until}", flush=True)
     started = time.monotonic()
     while time.monotonic() - started < args.duration:
-        if args.microbatches and last_stage_microbatches(swarm) >= args.microbatches:
+        if args.microbatches and len(last_stage_losses(swarm)) >= args.microbatches:
             print(f"the last stage computed {args.microbatches} microbatches", flush=True)
             break
         time.sleep(min(args.print_period, max(0.0, args.duration - (time.monotonic() - started))))
@@ -124,11 +124,6 @@ def latest_val_loss(swarm: LocalSwarm) -> float:
     """The newest held-out loss any stage-0 peer measured through the pipeline (NaN before the first)."""
     evals = [e for p in swarm.peers for e in p.events("eval")]
     return max(evals, key=lambda e: e["t"])["val_loss"] if evals else math.nan
-
-
-def last_stage_microbatches(swarm: LocalSwarm) -> int:
-    """How many microbatches with a loss the last stage has computed, over all its peers."""
-    return len(last_stage_losses(swarm))
 
 
 def last_stage_losses(swarm: LocalSwarm) -> list[tuple[float, float]]:

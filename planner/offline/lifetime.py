@@ -245,10 +245,11 @@ class _Swarm:
         self.holders[stage] -= 1
         return stage
 
-    def members(self) -> list[StageMember]:
+    def members(self, assignment: dict[int, int] | None = None) -> list[StageMember]:
+        """The live rules' view of ``assignment`` (peer -> stage; by default the serving peers)."""
         flops = self.trace.volunteers.flops
         return [StageMember(peer_id=f"{peer:06d}", stage=stage, flops=float(flops[peer]))
-                for peer, stage in self.serving.items()]
+                for peer, stage in (self.serving if assignment is None else assignment).items()]
 
     def num_held(self) -> int:
         """Stages somebody serves or pulls."""
@@ -258,9 +259,7 @@ class _Swarm:
         """The live re-planning rule over the stages still held; returns (peer, ready at) of the
         peers that now pull layers their stage gained."""
         everyone = self._all_stages()
-        flops = self.trace.volunteers.flops
-        members = [StageMember(peer_id=f"{peer:06d}", stage=stage, flops=float(flops[peer])) for peer, stage in everyone.items()]
-        decision = replan_layout(tuple(self.layers), self.model.layer_flops, members)
+        decision = replan_layout(tuple(self.layers), self.model.layer_flops, self.members(everyone))
         if decision is None:
             return []
         gained = [0.0] * len(decision.stage_layers)
