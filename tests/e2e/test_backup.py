@@ -57,10 +57,11 @@ def test_the_only_peer_of_a_stage_is_killed_and_the_stage_comes_back_from_its_ba
     wait_for(lambda: keeper.events("backup")[-1]["t"] > refresh_from, 60, "one more backup refresh")
     killed_at = time.time()
     os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT child and its p2pd, without warning
-    for other in (p for p in peers if p is not keeper):  # a keeper for a moment, while the swarm formed
-        # begun before the keeper's first backup ended (a pull under way when the keeper joined ends later)
-        assert all(e["t"] - e["seconds"] < keeper.events("backup")[0]["t"] for e in other.events("backup"))
-        assert bool(other.events("backup_dropped")) == bool(other.events("backup")), "dropped once not the keeper"
+    for other in (p for p in peers if p is not keeper):
+        # a keeper for a moment while the swarm formed, or while its view of the swarm lagged under load:
+        # whatever it backed up it had dropped before the kill, so the keeper's copy is the only one
+        kept = [(e["t"], name) for name in ("backup", "backup_dropped") for e in other.events(name) if e["t"] < killed_at]
+        assert not kept or max(kept)[1] == "backup_dropped", f"{peer_id_of(other)[-6:]} still kept a backup"
     backup = [e for e in keeper.events("backup") if e["t"] < killed_at][-1]
     assert backup["of_stage"] == lone and backup["holder"] == peer_id_of(victim)
 

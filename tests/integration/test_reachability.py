@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dht.node import DHTNodeConfig, open_dht, visible_maddrs
+from dht.node import BootstrapError, DHTNodeConfig, open_dht, visible_maddrs
 from dht.reachability import DialBackServer, call_dial_back, dial_fresh, listen_ports
 from dht.relays import RelaySlots, request_slot
 from peer.config import PeerConfig
@@ -110,7 +110,11 @@ def test_a_node_behind_a_nat_reserves_on_its_granted_relays_only():
     relays = (visible_maddrs(relay_dht)[0],)
     node = None
     try:
-        node, _ = open_dht(DHTNodeConfig(initial_peers=relays, relays=relays, daemon_reachability="private"))
+        config = DHTNodeConfig(initial_peers=relays, relays=relays, daemon_reachability="private")
+        try:
+            node, _ = open_dht(config)
+        except BootstrapError:  # CI: under load the daemon's dial of its one bootstrap peer timed out; once more
+            node, _ = open_dht(config)
         mine = [line for line in daemon_command_lines() if f"-trustedRelays={relays[0]}" in line]
         assert len(mine) == 1 and "-relayDiscovery=0" in mine[0] and "-autoRelay=1" in mine[0], mine
         assert "-forceReachabilityPrivate=1" in mine[0]

@@ -183,10 +183,21 @@ async def announce_all(nodes, view: SwarmView) -> None:
     assert len((await view.refresh())) == 3
 
 
-async def pair_round(pair: list[StageAverager]) -> list[bool]:
-    """One round of ``pair``, each counting the stage's replicas itself."""
-    at, stop = dht_time() + 3.0, asyncio.Event()
-    return await asyncio.gather(*(a.run_round(at, stop) for a in pair))
+def pair_round(pair: list[StageAverager], decider: int, tries: int = 3) -> list[bool]:
+    """One round of ``pair``, each counting the stage's replicas itself. A round that failed for
+    ``pair[decider]`` (no group, or an all-reduce cut short on a loaded CI host: it counted a failed
+    round and decided nothing) is tried again, at most ``tries`` times: the claims are about what
+    ``pair[decider]`` decides of a round that ran."""
+    async def main():
+        at, stop = dht_time() + 3.0, asyncio.Event()
+        return await asyncio.gather(*(a.run_round(at, stop) for a in pair))
+
+    for _ in range(tries):
+        failed_before = pair[decider].num_failed_rounds
+        results = asyncio.run(main())
+        if pair[decider].num_failed_rounds == failed_before:
+            return results
+    return results
 
 
 @pytest.mark.parametrize("dht_nodes", [4], indirect=True)
@@ -206,11 +217,11 @@ def test_a_pair_with_a_newcomer_is_dropped_by_the_replica_that_averaged_with_a_t
     try:
         asyncio.run(announce_all(nodes, views[0]))
         # a and b: nobody else has averaged with a, so this pair is the stage as far as a knows
-        assert asyncio.run(pair_round(averagers[:2])) == [True, True]
+        assert pair_round(averagers[:2], decider=0) == [True, True]
         assert dropped == []
         before = flat(stages[0]).clone()
         # a and the newcomer: a averaged with b a period ago and b is still in the view, so it drops the pair
-        kept = asyncio.run(pair_round([averagers[0], averagers[2]]))
+        kept = pair_round([averagers[0], averagers[2]], decider=0)
         assert kept[0] is False and dropped == [(2, 3)], (kept, dropped)
         assert torch.equal(flat(stages[0]), before), "a dropped round changed the honest replica's state"
     finally:
@@ -239,7 +250,7 @@ def test_a_newcomer_drops_a_pair_with_anyone_but_the_holder_it_loaded_from(dht_n
         averagers[2].loaded_from([holder_id], dht_time())  # the newcomer loaded the holder's state
         assert averagers[2].anchors.anchor(holder_id) == STEPS
         before = flat(stages[2]).clone()
-        kept = asyncio.run(pair_round([averagers[1], averagers[2]]))  # a pair with the other replica
+        kept = pair_round([averagers[1], averagers[2]], decider=1)  # a pair with the other replica
         assert kept[1] is False and dropped == [(2, 3)], (kept, dropped)
         assert torch.equal(flat(stages[2]), before), "a dropped round changed the newcomer's state"
     finally:
