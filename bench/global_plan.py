@@ -22,6 +22,10 @@ fit the smallest device drawn, 8 GiB), 8 micro-batches in flight per stage-0 pee
 ``--max-in-flight``). ``--compression`` sets the boundary codec's byte ratio (1/32: the
 subspace boundary with int8 of issue #16, about 35x).
 
+``--plan-once`` instead times one global plan (``planner.global_plan.plan_global``) and its verdict
+(``planner.adoption.decide``) per swarm size, against the even layout of ``--stages`` with the
+peers dealt round-robin (``"mode": "global_plan_once"``).
+
 The harness modes of issue #18 (the same three layouts on the network harness, ``"bench":
 "global_plan"``) are not here yet. Timings are wall-clock on one core of this shared machine.
 """
@@ -39,9 +43,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from planner.offline.internet import churn_trace  # noqa: E402
+from planner.adoption import decide  # noqa: E402
+from planner.global_plan import plan_global  # noqa: E402
+from planner.offline.internet import churn_trace, draw_volunteers, volunteer_snapshot  # noqa: E402
 from planner.offline.lifetime import MODES, LifetimeConfig, simulate_lifetime  # noqa: E402
 from planner.offline.scenarios import build_transformer_profile  # noqa: E402
+from planner.runtime import RuntimeSettings  # noqa: E402
 
 MODEL = build_transformer_profile(num_layers=24, hidden_size=2048, sequence_length=1024, microbatch_size=4)
 
@@ -53,7 +60,14 @@ def main() -> None:
     parser.add_argument("--compression", default="1,0.03125", help="boundary byte ratios, comma-separated")
     parser.add_argument("--stages", default="8", help="numbers of stages, comma-separated (default: 8)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plan-once", action="store_true",
+                        help="instead: time one global plan and its verdict per swarm size (mode global_plan_once)")
     args = parser.parse_args()
+    if args.plan_once:
+        for peers in (int(p) for p in args.peers.split(",")):
+            for stages in (int(s) for s in args.stages.split(",")):
+                plan_once(peers, stages, seed=args.seed)
+        return
     for peers in (int(p) for p in args.peers.split(",")):
         trace = churn_trace(np.random.default_rng(args.seed), peers, args.hours * 3600)
         for ratio, stages in itertools.product((float(r) for r in args.compression.split(",")),
@@ -73,6 +87,29 @@ def main() -> None:
                     "online_min": result.online_min, "online_max": result.online_max,
                     "sim_seconds": round(time.perf_counter() - started, 2), "simulated_seconds": trace.horizon_s,
                 }), flush=True)
+
+
+def plan_once(peers: int, stages: int, *, seed: int) -> None:
+    """``peers`` volunteers online at once on the bootstrap's even layout of ``stages`` stages (peers
+    dealt round-robin): the time ``plan_global`` and ``adoption.decide`` take on one core, and the
+    cost model's samples/s of the layout and of the plan."""
+    snapshot = volunteer_snapshot(draw_volunteers(np.random.default_rng(seed), peers), MODEL,
+                                  runtime=RuntimeSettings(max_in_flight_per_peer=8))
+    bounds = [round(k * MODEL.num_layers / stages) for k in range(stages + 1)]
+    layers = tuple(zip(bounds[:-1], bounds[1:]))
+    stage_of = {d.peer_id: i % stages for i, d in enumerate(snapshot.devices)}
+    started = time.perf_counter()
+    plan = plan_global(snapshot)
+    planned_at = time.perf_counter()
+    adoption = decide(snapshot, layers, stage_of, plan)
+    print(json.dumps({
+        "bench": "global_plan_sim", "mode": "global_plan_once", "peers": peers, "stages": stages,
+        "planning_seconds": round(planned_at - started, 3), "decide_seconds": round(time.perf_counter() - planned_at, 3),
+        "throughput_even_layout": round(adoption.current, 3), "throughput_planned": round(adoption.planned, 3),
+        "plan_stages": len(plan.stages), "plan_peers": len(plan.assigned_peer_ids()), "moves": len(adoption.moves),
+        "move_seconds": round(adoption.move_seconds, 1), "payback_seconds": round(adoption.payback_seconds, 1),
+        "adopt": adoption.adopt,
+    }), flush=True)
 
 
 if __name__ == "__main__":

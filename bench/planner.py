@@ -33,18 +33,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from planner.costs import estimate_throughput  # noqa: E402
-from planner.offline.asteroid import plan_asteroid  # noqa: E402
-from planner.offline.baselines import plan_even, plan_petals, plan_swarm  # noqa: E402
-from planner.offline.canonical import plan_canonically  # noqa: E402
+from planner.asteroid import plan_asteroid  # noqa: E402
+from planner.baselines import plan_even, plan_petals, plan_swarm  # noqa: E402
+from planner.canonical import plan_canonically  # noqa: E402
 from planner.offline.exhaustive import find_optimal_plan  # noqa: E402
-from planner.offline.global_plan import GlobalPlanConfig, plan_global, simulation_config  # noqa: E402
-from planner.offline.partition import plan_partition  # noqa: E402
+from planner.global_plan import GlobalPlanConfig, plan_global, simulation_config  # noqa: E402
+from planner.partition import plan_partition  # noqa: E402
 from planner.offline.rebalance import choose_join_stage, prepare_join  # noqa: E402
 from planner.offline.scenarios import (  # noqa: E402
     GIGABYTE, build_case3_snapshot, build_clustered_snapshot, build_region_snapshot, build_transformer_profile,
 )
-from planner.offline.simulator import SimulationConfig, simulate_plan  # noqa: E402
-from planner.offline.spantrain import plan_spantrain  # noqa: E402
+from planner.simulator import SimulationConfig, simulate_plan  # noqa: E402
+from planner.spantrain import plan_spantrain  # noqa: E402
 from planner.snapshot import LinkMatrix, SwarmSnapshot  # noqa: E402
 
 

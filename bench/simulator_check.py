@@ -1,4 +1,4 @@
-"""Does planner.offline.simulator predict the real swarm? Loopback swarms against simulated ones (issue 4).
+"""Does planner.simulator predict the real swarm? Loopback swarms against simulated ones (issue 4).
 
     python bench/simulator_check.py [--seconds 40] [--only 2x1,3,4]
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from planner.offline.simulator import SimulationConfig, simulate_plan  # noqa: E402
+from planner.simulator import SimulationConfig, simulate_plan  # noqa: E402
 from planner.plan import Plan, Stage  # noqa: E402
 from planner.runtime import RuntimeSettings  # noqa: E402
 from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot  # noqa: E402

@@ -85,6 +85,7 @@ class PeerConfig:
     rebalance_min_gain: float = field(default=0.2, metadata=_help("move only if the pipeline's bottleneck throughput rises by at least this fraction (0.2 = 20%%); FLOP/s measured on a busy machine are noisy"))
     aggregation: str = field(default="centered_clip", metadata=_help("how the replicas of a stage combine their states in an averaging round: centered_clip (robust: a replica far from the others is clipped, so one Byzantine replica cannot derail the stage), trimmed_mean (robust: drops the extremes of every coordinate) or mean (the plain mean; only for a swarm whose peers you all trust). NaN/Inf contributions are refused in every mode; with two replicas every mode is the mean"))
     replan_after: float = field(default=30.0, metadata=_help("seconds a stage may stay unheld, with no peer to spare for a rescue, before the peers re-plan the layout without it: its layers go to the stages left (seed 001 §3.4; 0: wait for a new peer instead)"))
+    global_plan_period: float = field(default=300.0, metadata=_help("seconds between computations of the global plan (issue 18: stage count, layer split and who serves what, from the peers' records and measured links) and of whether its gain would pay back the moves; logged and written as global_plan events, not acted on yet (0: never compute it)"))
     backup_period: float = field(default=30.0, metadata=_help("seconds between refreshes of the backup this peer keeps when it is the keeper of a stage held by a single peer (the lowest peer id of the next stage); the first copy is taken at once (0: keep no backups)"))
 
     def __post_init__(self) -> None:
@@ -125,7 +126,7 @@ class PeerConfig:
         if self.heartbeat_ttl <= 2 * self.heartbeat_period:
             raise ValueError("--heartbeat-ttl must exceed two heartbeat periods, or live peers would flicker")
         for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain", "max_upload_mbps",
-                     "max_forwards_per_peer", "backup_period", "replan_after"):
+                     "max_forwards_per_peer", "backup_period", "replan_after", "global_plan_period"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.ban_strikes < 0 or not (math.isfinite(self.ban_seconds) and self.ban_seconds > 0):

@@ -34,6 +34,7 @@ from peer.context import PeerContext, SessionHost
 from peer.faults import inject_corrupt_shards, inject_wrong_outputs
 from peer.heartbeat import Heartbeat
 from peer.membership_events import MembershipEvents
+from peer.plan_watch import GlobalPlanWatch
 from peer.profiler import MIB
 from peer.rebalance import RebalanceWatch
 from peer.relayout import wait_layout_change
@@ -208,6 +209,10 @@ class StageSession:
             self._spawn("checkpoint", self._checkpoint_loop())
         if config.backup_period > 0:
             self._spawn("backup", ctx.keeper.run(stop_tasks))
+        if config.global_plan_period > 0:
+            plans = GlobalPlanWatch(ctx.view, self.spec, period=config.global_plan_period,
+                                    max_in_flight=config.max_in_flight, metrics=ctx.metrics, clock=ctx.clock)
+            self._spawn("global-plan", plans.run(stop_tasks))
         watches = []
         if config.rebalance_period > 0 and config.stage < 0:  # a peer pinned with --stage stays
             rebalance = RebalanceWatch(ctx.view, self.spec, peer_id=ctx.peer_id, period=config.rebalance_period,

@@ -20,11 +20,22 @@ The package holds two kinds of planner, one per place:
     both ends' figures; one end's, bounded by the swarm's), for the router's path and the planner's
     link matrices;
   - ``replanning``: re-splitting the layers over the stages left after a stage is lost (seed 001 §3.4);
-  - ``layer_split``, ``assembly``, ``costs``, ``plan``, ``snapshot``, ``runtime``: what ``replanning``
-    builds on (the cost model that the offline planners and the simulator share, the bottleneck DP
-    over layer boundaries, ``Plan``, ``SwarmSnapshot`` and the runtime's settings it carries).
+  - ``global_plan``: the global plan of issue #18 (stage count, layer split, who serves what) from a
+    snapshot of the swarm: seed 000's construction on the whole swarm and on device pools, the
+    baselines and the literature's planners as rivals, scored by the cost model and checked in the
+    simulator, deterministic and invariant to renaming (``peer.plan_watch`` computes it live);
+  - ``adoption``: whether the swarm should move to a global plan: a clear gain whose moves (state
+    pulled over the measured links) pay back within a horizon;
+  - what ``global_plan`` runs: ``partition`` (seed 000 §3.3.3: clustering → stage order → clients →
+    layers → roles, then local search) with its parts ``clustering``, ``ordering``, ``evaluation`` and
+    ``refinement``; ``baselines`` (GPipe's even split, Petals, SWARM); ``asteroid`` (seed 001) and
+    ``spantrain`` (seed 002); ``simulator`` (discrete-event simulation of a plan); ``canonical`` (a
+    relabelling-free device order);
+  - ``layer_split``, ``assembly``, ``costs``, ``plan``, ``snapshot``, ``runtime``: what the planners
+    build on (the one cost model the planners and the simulator share, the bottleneck DP over layer
+    boundaries, ``Plan``, ``SwarmSnapshot`` and the runtime's settings it carries).
 
-* ``planner/offline/``: the seed planners, the literature's planners and the simulator that
-  ``bench/`` and the tests evaluate offline. The live peer imports none of them
-  (``tests/unit/test_import_rule.py`` checks it).
+* ``planner/offline/``: what only ``bench/`` and the tests run: the brute-force oracle, the offline
+  rebalance model, synthetic scenarios and the internet-scale lifetime simulator. The live peer
+  imports none of them (``tests/unit/test_import_rule.py`` checks it).
 """

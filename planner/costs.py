@@ -56,7 +56,7 @@ stage's servers (seed 000's runtime): with many replicas per stage that made the
 vanish (a swarm of 256 peers in 8 stages was credited 32x shorter transfers than one pair can make).
 
 Seed 000 Eq. 2 adds the link to the stage delay and charges both directions in one term; the
-simulator (``offline/simulator``) runs them as separate resources, and so does this model now.
+simulator (``simulator``) runs them as separate resources, and so does this model now.
 Seed 000 Eq. 3 approximates ``DT_k`` by ``m sum_l F_l / (p sum_i c_i)`` when ``p`` clusters share
 the work evenly (``approximate_pipeline_delay``, used by the clustering's stop rule).
 """

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from planner.offline.evaluation import ArrangementScorer
+from planner.evaluation import ArrangementScorer
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
 

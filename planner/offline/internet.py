@@ -45,6 +45,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.runtime import RuntimeSettings
+from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot
+
 FIBRE_KM_PER_MS = 200.0
 ROUTE_STRETCH = 1.5
 INTRA_REGION_KM = 400.0
@@ -151,3 +154,16 @@ def churn_trace(rng: np.random.Generator, online: int, horizon_s: float) -> Chur
     later = int(rng.poisson(rate * horizon_s))
     arrivals = np.concatenate([np.zeros(online), np.sort(rng.uniform(0.0, horizon_s, later))])
     return ChurnTrace(volunteers=draw_volunteers(rng, online + later), arrive_s=arrivals, horizon_s=horizon_s)
+
+
+def volunteer_snapshot(volunteers: Volunteers, model: ModelProfile, *, runtime: RuntimeSettings | None = None,
+                       regions: tuple[Region, ...] = REGIONS) -> SwarmSnapshot:
+    """The planner's snapshot of ``volunteers`` (all online, all reliable): one-way latency half the
+    round trip above, and the rate of ``p`` to ``q`` ``min(up_p, down_q)``. Peer ids are ``v00000``…"""
+    rtt = region_rtt_seconds(regions)[np.ix_(volunteers.region, volunteers.region)]
+    rtt = rtt + volunteers.access_rtt_s[:, None] + volunteers.access_rtt_s[None, :]
+    bandwidth = np.minimum(volunteers.uplink[:, None], volunteers.downlink[None, :])
+    devices = tuple(Device(peer_id=f"v{i:05d}", flops=float(volunteers.flops[i]), is_reliable=True,
+                           memory_bytes=int(volunteers.memory_bytes[i])) for i in range(volunteers.count))
+    return SwarmSnapshot(devices=devices, links=LinkMatrix(latency_delay=rtt / 2, bandwidth=bandwidth), model=model,
+                         runtime=runtime or RuntimeSettings())

@@ -1,6 +1,6 @@
 """A swarm's life at internet scale: churn, the live decision rules, and the throughput they give (issue #18).
 
-``offline.simulator`` runs one plan micro-batch by micro-batch; at 10,000 peers for an hour that is
+``planner.simulator`` runs one plan micro-batch by micro-batch; at 10,000 peers for an hour that is
 far too slow. This simulator runs at the level of events instead: volunteers arrive and leave
 (``offline.internet``'s churn trace), each arrival is placed by the live join rule, peers move by
 the live rebalancing rule, a stage nobody holds any more is re-planned away by the live re-planning

@@ -34,8 +34,8 @@ from planner.costs import (
     StageGroup, count_inflight, estimate_averaging_floor, estimate_averaging_share, estimate_stage_delay,
     profile_group,
 )
-from planner.offline.evaluation import Arrangement, ArrangementScorer
-from planner.offline.refinement import list_moves
+from planner.evaluation import Arrangement, ArrangementScorer
+from planner.refinement import list_moves
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
 

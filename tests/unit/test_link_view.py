@@ -15,7 +15,7 @@ from dht.link_figures import LinkFigure
 from dht.records import PeerRecord
 from planner.claims import MAX_CLAIM_RATIO
 from planner.link_view import DEFAULT_BYTES_PER_S, DEFAULT_RTT_S, LinkClaim, LinkView
-from planner.offline.global_plan import plan_global
+from planner.global_plan import plan_global
 from planner.offline.scenarios import build_transformer_profile
 from planner.snapshot import Device, SwarmSnapshot
 from swarm.router import Router, link_factors

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from planner.costs import estimate_throughput
-from planner.offline.baselines import plan_even, plan_petals, plan_swarm
-from planner.offline.partition import plan_partition
+from planner.baselines import plan_even, plan_petals, plan_swarm
+from planner.partition import plan_partition
 from planner.offline.scenarios import build_case3_snapshot, build_region_snapshot, build_transformer_profile
-from planner.offline.simulator import SimulationConfig, simulate_plan
+from planner.simulator import SimulationConfig, simulate_plan
 
 MODEL = build_transformer_profile(num_layers=12, hidden_size=2048, sequence_length=512, num_microbatches=64)
 

@@ -15,7 +15,7 @@ from planner.costs import (
     profile_group,
 )
 from planner.layer_split import build_cost_matrix, split_layers
-from planner.offline.evaluation import ArrangementScorer
+from planner.evaluation import ArrangementScorer
 from planner.offline.scenarios import build_region_snapshot, build_transformer_profile
 from planner.plan import Plan, Stage
 from planner.runtime import RuntimeSettings

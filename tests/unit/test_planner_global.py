@@ -14,18 +14,18 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from planner.offline.canonical import plan_canonically, rename_plan
+from planner.canonical import plan_canonically, rename_plan
 from planner.costs import estimate_throughput, is_within_memory
-from planner.offline.asteroid import plan_asteroid
-from planner.offline.baselines import plan_even, plan_petals, plan_swarm
-from planner.offline.global_plan import GlobalPlanConfig, list_device_pools, plan_global, simulation_config
-from planner.offline.partition import PartitionConfig, plan_partition
-from planner.offline.refinement import RefinementConfig
+from planner.asteroid import plan_asteroid
+from planner.baselines import plan_even, plan_petals, plan_swarm
+from planner.global_plan import GlobalPlanConfig, list_device_pools, plan_global, simulation_config
+from planner.partition import PartitionConfig, plan_partition
+from planner.refinement import RefinementConfig
 from planner.offline.scenarios import (
     GIGABYTE, V100_FLOPS, build_clustered_snapshot, build_region_snapshot, build_transformer_profile,
 )
-from planner.offline.simulator import simulate_plan
-from planner.offline.spantrain import plan_spantrain
+from planner.simulator import simulate_plan
+from planner.spantrain import plan_spantrain
 from planner.plan import Plan, Stage
 from planner.runtime import RuntimeSettings
 from planner.snapshot import Device, LinkMatrix, SwarmSnapshot

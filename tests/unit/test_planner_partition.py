@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs import estimate_throughput
-from planner.offline.clustering import cluster_devices
+from planner.clustering import cluster_devices
 from planner.offline.exhaustive import find_optimal_plan, iterate_set_partitions
-from planner.offline.ordering import measure_path, order_clusters
-from planner.offline.partition import plan_partition
+from planner.ordering import measure_path, order_clusters
+from planner.partition import plan_partition
 from planner.offline.scenarios import build_region_snapshot, build_transformer_profile
 from planner.snapshot import LinkMatrix, SwarmSnapshot
 

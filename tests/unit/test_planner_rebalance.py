@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs import estimate_throughput
-from planner.offline.partition import plan_partition
+from planner.partition import plan_partition
 from planner.offline.rebalance import RebalanceConfig, choose_join_stage, plan_rebalance, prepare_join
 from planner.offline.scenarios import build_region_snapshot, build_transformer_profile
 from planner.plan import Plan, Stage

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs import estimate_throughput
-from planner.offline.asteroid import allocate_microbatch, estimate_footprint_bytes, estimate_round_delay, plan_asteroid
+from planner.asteroid import allocate_microbatch, estimate_footprint_bytes, estimate_round_delay, plan_asteroid
 from planner.offline.scenarios import build_case3_snapshot, build_region_snapshot, build_transformer_profile
-from planner.offline.spantrain import estimate_cost, group_by_compute, group_by_network, plan_spantrain
+from planner.spantrain import estimate_cost, group_by_compute, group_by_network, plan_spantrain
 
 MODEL = build_transformer_profile(num_layers=8, hidden_size=2048, sequence_length=512, num_microbatches=16)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from planner.costs import estimate_stage_costs
-from planner.offline.simulator import SimulationConfig, simulate_plan
+from planner.simulator import SimulationConfig, simulate_plan
 from planner.plan import Plan, Stage
 from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot
 

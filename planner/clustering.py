@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.costs import approximate_pipeline_delay
-from planner.offline.ordering import build_coarse_graph
+from planner.ordering import build_coarse_graph
 from planner.snapshot import ModelProfile
 
 

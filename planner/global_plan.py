@@ -20,7 +20,7 @@ by index, so renaming peers changed it. This module wraps the seeds' planners so
   best in the simulator among the plans that keep it wins. The simulations run long enough
   (``min_simulated_microbatches``) that their measurement error does not rank plans.
 * **Deterministic and invariant to renaming.** Everything runs on the canonical snapshot
-  (``planner.offline.canonical``) with generators of fixed seed, and the plan is mapped back to
+  (``planner.canonical``) with generators of fixed seed, and the plan is mapped back to
   the real ids; the caller passes no ``rng``.
 
 Cost: ``num_restarts`` seed 000 plans of the whole swarm and one per pool (``max_pools``), plus
@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.offline.canonical import plan_canonically
+from planner.canonical import plan_canonically
 from planner.costs import estimate_throughput
-from planner.offline.asteroid import plan_asteroid
-from planner.offline.baselines import plan_even, plan_petals, plan_swarm
-from planner.offline.partition import PartitionConfig, plan_partition
-from planner.offline.simulator import SimulationConfig, simulate_plan
-from planner.offline.spantrain import plan_spantrain
+from planner.asteroid import plan_asteroid
+from planner.baselines import plan_even, plan_petals, plan_swarm
+from planner.partition import PartitionConfig, plan_partition
+from planner.simulator import SimulationConfig, simulate_plan
+from planner.spantrain import plan_spantrain
 from planner.plan import Plan
 from planner.snapshot import LinkMatrix, ModelProfile, SwarmSnapshot
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.offline.clustering import split_cluster
-from planner.offline.evaluation import Arrangement, ArrangementScorer
+from planner.clustering import split_cluster
+from planner.evaluation import Arrangement, ArrangementScorer
 
 
 @dataclass(frozen=True, kw_only=True)

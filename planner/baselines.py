@@ -10,7 +10,7 @@
   from the stage with the most spare throughput to the stage with the least, while that raises
   the slowest stage's throughput; throughput here is compute only, as SWARM sees queues, not links.
 
-"Peer-id order" is the canonical order of ``planner.offline.canonical`` (issue #18): each baseline runs on
+"Peer-id order" is the canonical order of ``planner.canonical`` (issue #18): each baseline runs on
 the canonical snapshot and its plan is mapped back, so renaming peers renames the plan and
 nothing else, and every planner compares against the same baseline whatever the names.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.assembly import assemble_plan
-from planner.offline.canonical import plan_canonically
+from planner.canonical import plan_canonically
 from planner.costs import estimate_throughput
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot

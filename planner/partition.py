@@ -23,10 +23,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner.assembly import build_edge_delays, typical_transfer_bytes
-from planner.offline.clustering import cluster_devices
-from planner.offline.evaluation import Arrangement, ArrangementScorer
-from planner.offline.ordering import build_coarse_graph, order_clusters
-from planner.offline.refinement import RefinementConfig, refine_arrangement
+from planner.clustering import cluster_devices
+from planner.evaluation import Arrangement, ArrangementScorer
+from planner.ordering import build_coarse_graph, order_clusters
+from planner.refinement import RefinementConfig, refine_arrangement
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.assembly import assemble_plan
-from planner.offline.simulator import FORWARD_FRACTION
+from planner.simulator import FORWARD_FRACTION
 from planner.plan import Plan
 from planner.snapshot import ModelProfile, SwarmSnapshot
 
