@@ -109,6 +109,25 @@ def common_rounds(peers) -> list[tuple[float, set[str]]]:
     return sorted((at, set(d.values())) for at, d in rounds.items() if len(d) == len(peers))
 
 
+PLAN_ARGS = ("--global-plan-period", "60")  # the global plan from the measured links, every minute (not acted on)
+
+
+def check_global_plans(peers, *, num_layers: int) -> None:
+    """Each peer computed the global plan from its records, with the link figures the peers measured
+    and published, every period: plans of the whole model, every member placed or idle, the swarm as
+    it runs scored, in far less than a period."""
+    for peer in peers:
+        plans = peer.events("global_plan")
+        assert len(plans) >= 3, f"{peer.name}: {len(plans)} global plans in 5 minutes at one a minute"
+        for plan in plans:
+            bounds = [b for layers in plan["stage_layers"] for b in layers]
+            assert bounds[0] == 0 and bounds[-1] == num_layers and bounds[1:-1:2] == bounds[2:-1:2], plan
+            assert sum(plan["peers_per_stage"]) + plan["idle"] in (4, 5), plan  # the late joiner, once it loads
+            assert plan["current"] > 0 and plan["planned"] > 0 and plan["seconds"] < 30, plan
+    print("global plans:", {p.name: [(e["stage_layers"], e["peers_per_stage"], e["adopt"], round(e["planned"] / e["current"], 2))
+                                      for e in p.events("global_plan")][-1] for p in peers})
+
+
 def test_a_2x2_swarm_on_20_mbit_40_ms_links_stays_consistent_and_alive_for_5_minutes(internets, tmp_path):
     """Every peer on its own 20 Mbit/s link with 40 ms one way (160 ms between two peers), for five
     minutes: the loss falls, replicas of a stage hold the same parameters after every round both
@@ -122,13 +141,13 @@ def test_a_2x2_swarm_on_20_mbit_40_ms_links_stays_consistent_and_alive_for_5_min
     swarm = LocalSwarm(tmp_path / "swarm")
     try:
         swarm.start_bootstrap("--num-stages", "2", host=server.address, command_prefix=server.command_prefix)
-        peers = [swarm.start_peer("--stage", str(i % 2), "--num-threads", "1", host=host.address,
+        peers = [swarm.start_peer("--stage", str(i % 2), "--num-threads", "1", *PLAN_ARGS, host=host.address,
                                   command_prefix=host.command_prefix) for i, host in enumerate(hosts[:4])]
         wait_for(lambda: all(p.events("status") or not p.is_alive() for p in peers), 180, "four peers to train")
         assert all(p.is_alive() for p in peers), swarm.logs()
         started = time.time()
         wait_for(lambda: time.time() > started + 100 or not all(p.is_alive() for p in peers), 120, "100 s of training")
-        late = swarm.start_peer("--stage", "1", "--num-threads", "1", host=hosts[4].address,
+        late = swarm.start_peer("--stage", "1", "--num-threads", "1", *PLAN_ARGS, host=hosts[4].address,
                                 command_prefix=hosts[4].command_prefix)
         wait_for(lambda: late.events("status") or not late.is_alive(), 180, "the late joiner to train")
         assert late.is_alive(), late.log_tail()
@@ -154,6 +173,8 @@ def test_a_2x2_swarm_on_20_mbit_40_ms_links_stays_consistent_and_alive_for_5_min
             for (at, digests), (_, following) in zip(rounds, rounds[1:]):
                 assert len(digests) == 1 or len(following) == 1, f"stage {stage} replicas diverged at {at} and after"
             assert len(rounds[-1][1]) == 1 or len(rounds[-2][1]) == 1
+
+        check_global_plans(peers, num_layers=4)
 
         curve = [loss for _, loss in sorted((e["t"], e["loss"]) for p in everyone for e in p.events("microbatch")
                                             if e["stage"] == 1 and e.get("loss") is not None)]
