@@ -340,11 +340,15 @@ async def _pull_piece(
     p2p: P2P, spec: RunSpec, stage: int, watch: RescueWatch, *, vanished: bool, request_timeout: float,
     reputation: Reputation | None, patience: float,
 ) -> StatePiece | None:
-    """Old ``stage``'s state: from its last holders (a vanished stage's are gone) or its backup's keepers."""
-    holders = [] if vanished else [(p, "holder") for p in sorted(watch.last_holders(stage))]
+    """Old ``stage``'s state: from its last holders, else its backup's keepers. For a ``vanished``
+    stage the keepers come first and its last holders after them: a stage can vanish from this
+    peer's view alone (CI: its holder's record went missing and its pings failed under load, while it
+    re-planned to a newer layout itself), and a holder that moved on serves its old state for
+    ``HANDOFF_GRACE`` seconds; without it the stage's layers restarted from the run seed."""
+    holders = [(p, "holder") for p in sorted(watch.last_holders(stage))]
     copies = watch.last_copies(stage)
     keepers = [(c.peer_id, "backup") for c in copies if c.version == copies[0].version]
-    donors = holders + keepers
+    donors = keepers + holders if vanished else holders + keepers
     if not donors:
         logger.warning(f"nobody holds or keeps a backup of old stage {stage}: its layers restart from the run seed")
         return None
