@@ -35,7 +35,7 @@ from swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 NO_MEMORY_LIMIT = 1 << 50  # a member that states no memory budget
-MAX_PLANNED_PEERS = 64  # plan_global took 3 s at 16 peers and 18 s at 64 on one core here (BENCHMARKS.md)
+MAX_PLANNED_PEERS = 256  # plan_global: 3.7 s at 256 volunteers, 10.2 s at 1,000 on one quiet core here (BENCHMARKS.md)
 
 
 def model_profile(spec: RunSpec, *, num_stage0_peers: int) -> ModelProfile:
