@@ -14,7 +14,8 @@ their computing capacity. Peers agree with no message beyond their heartbeats:
   layout (``RunSpec.namespace``), so peers of two layouts never exchange tensors.
 * A peer that re-plans adopts the new layout at once. The others take it from its record
   (``planner.replanning.choose_layout``): the next version, dropping no more stages than they see
-  unheld. Two peers that re-planned from different views converge on the smaller block ranges.
+  unheld. Two peers that re-planned from different views converge: the layout that kept more stages,
+  then the smaller block ranges.
 * Moving to the new layout, a peer finishes its in-flight work, keeps serving its old state under
   the old namespace for ``HANDOFF_GRACE`` seconds (:class:`Handoff`), and builds its new stage
   (``swarm.state_pieces.compose_stage_state``) from its own old state, from the old stages' holders (which
@@ -143,13 +144,31 @@ def adopted_layout(view: SwarmView, spec: RunSpec, base: RunSpec, *, peer_id: st
         return None
     proposer = by_layout[chosen]
     new_spec = base.with_layout(chosen.version, chosen.stage_layers)
-    if chosen.version == current.version:  # a competing re-plan of the same stages: same numbering
-        layout_map, new_stage = tuple(range(current.num_stages)), stage
+    if chosen.version == current.version and chosen.num_stages == current.num_stages:
+        layout_map, new_stage = tuple(range(current.num_stages)), stage  # a competing re-plan: same numbering
+    elif chosen.version == current.version:  # one that kept a stage this peer's re-plan dropped
+        layout_map, new_stage = (), _thinnest_stage(view, base, chosen, spec.stage_layers[stage])
     else:
         layout_map = proposer.layout_map if chosen.version == current.version + 1 else ()
         new_stage = new_stage_of(spec, new_spec, layout_map, stage)
     return LayoutChange(spec=new_spec, layout_map=tuple(layout_map), reason="adopted", proposer=proposer.peer_id,
                         stage=new_stage, unheld=unheld)
+
+
+def _thinnest_stage(view: SwarmView, base: RunSpec, layout: Layout, own_layers: tuple[int, int]) -> int:
+    """The stage of ``layout`` with the fewest members among the records under it, the one sharing
+    most layers with ``own_layers`` first among equals (a peer whose re-plan dropped a stage that was
+    not lost joins the others' layout where it is needed)."""
+    counts = [0] * layout.num_stages
+    for record in view.all_records:
+        if record.state in MEMBER_STATES and record_layout(record, base) == layout and 0 <= record.stage < layout.num_stages:
+            counts[record.stage] += 1
+
+    def overlap(k: int) -> int:
+        start, end = layout.stage_layers[k]
+        return max(0, min(end, own_layers[1]) - max(start, own_layers[0]))
+
+    return min(range(layout.num_stages), key=lambda k: (counts[k], -overlap(k), k))
 
 
 def _follows_from(current: Layout, layout: Layout, layout_map: Sequence[int], unheld: Sequence[int]) -> bool:

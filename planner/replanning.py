@@ -269,16 +269,20 @@ def choose_layout(current: Layout, seen: Sequence[Layout], *, num_unheld: int, a
     """The layout a peer under ``current`` moves to, given the layouts other peers train under; None: stay.
 
     Every peer applies the same order, so concurrent re-plans converge on one layout: a higher version
-    first, then, between two re-plans of one version (peers whose views differed), the smaller block
-    ranges (lexicographic). A layout is only taken from a peer when it could follow from this peer's
-    view: the next version, dropping between 1 and ``num_unheld`` stages (the stages this peer sees
-    nobody hold), or a competing layout of this peer's own version with as many stages. A peer
-    ``alone`` under its layout (everyone else moved on while it was cut off) takes the best layout of
-    any newer version, as it has no pipeline left where it is.
+    first, then, between two re-plans of one version (peers whose views differed), the one that kept
+    more stages (its proposer saw more of them held: the other dropped a stage that was not lost),
+    then the smaller block ranges (lexicographic). A layout is only taken from a peer when it could
+    follow from this peer's view: the next version, dropping between 1 and ``num_unheld`` stages (the
+    stages this peer sees nobody hold), or a competing layout of this peer's own version that ranks
+    before it. A peer ``alone`` under its layout (everyone else moved on while it was cut off) takes
+    the best layout of any newer version, as it has no pipeline left where it is.
     """
+    def rank(layout: Layout) -> tuple:
+        return -layout.num_stages, layout.stage_layers
+
     def follows(layout: Layout) -> bool:
         if layout.version == current.version:
-            return layout.num_stages == current.num_stages and layout.stage_layers < current.stage_layers
+            return rank(layout) < rank(current)
         if layout.version < current.version:
             return False
         if alone:
@@ -289,4 +293,4 @@ def choose_layout(current: Layout, seen: Sequence[Layout], *, num_unheld: int, a
     candidates = [layout for layout in seen if layout != current and follows(layout)]
     if not candidates:
         return None
-    return min(candidates, key=lambda layout: (-layout.version, layout.stage_layers))
+    return min(candidates, key=lambda layout: (-layout.version, *rank(layout)))

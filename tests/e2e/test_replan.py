@@ -61,10 +61,18 @@ def test_a_stage_nobody_can_rescue_is_replanned_away_and_training_goes_on(local_
     os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT child and its p2pd, without warning
     backup = [e for e in keeper.events("backup") if e["t"] < killed_at and e["of_stage"] == 1][-1]
 
-    wait_for(lambda: all(p.events("relayout") for p in survivors), 150, "both survivors to change layout")
-    done = {id(p): p.events("relayout")[0] for p in survivors}
-    layouts = {tuple(map(tuple, e["stage_layers"])) for e in done.values()}
+    def last_layouts() -> set:
+        return {tuple(map(tuple, p.events("relayout")[-1]["stage_layers"])) for p in survivors if p.events("relayout")}
+
+    # both end on one layout: at once, or (CI, rarely: one survivor's view lost the other's record and
+    # pings for a while and its re-plan dropped that stage too) once it takes the layout that kept more stages
+    wait_for(lambda: all(p.events("relayout") for p in survivors) and len(last_layouts()) == 1, 150,
+             "both survivors to change layout and agree on one")
+    first_change = {id(p): p.events("relayout")[0] for p in survivors}
+    done = {id(p): p.events("relayout")[-1] for p in survivors}
+    layouts = last_layouts()
     assert len(layouts) == 1, f"the survivors agree on one layout: {summary(peers)}"
+    assert not any(e["reseeded"] for p in survivors for e in p.events("relayout")), summary(peers)
     layout = layouts.pop()
     assert len(layout) == 2 and layout[0][0] == 0 and layout[-1][1] == 4 and layout[0][1] == layout[1][0]
     assert all(e["version"] == 1 for e in done.values())
@@ -75,13 +83,13 @@ def test_a_stage_nobody_can_rescue_is_replanned_away_and_training_goes_on(local_
 
     # the lost stage's layers come from the backup kept of it, the rest from their own holders
     for peer in survivors:
-        event = done[id(peer)]
+        event = first_change[id(peer)]
         assert not event["reseeded"], f"nothing restarts from the seed: {event['provenance']}"
         for part, source in event["provenance"].items():
             if part in ("layer 1", "layer 2"):
                 assert source in ("backup:self", f"backup:{peer_id_of(keeper)}"), (part, source)
         assert event["step"] >= 1
-    keeper_parts = done[id(keeper)]["provenance"]
+    keeper_parts = first_change[id(keeper)]["provenance"]
     assert keeper_parts["head"] == "own" and all(
         keeper_parts[f"layer {layer}"] == "backup:self" for layer in (1, 2) if f"layer {layer}" in keeper_parts)
     assert backup["version"] >= 1

@@ -223,3 +223,17 @@ def test_the_layout_watch_adopts_another_peers_layout_whatever_the_clock_says() 
                                clock=clock)
     change = asyncio.run(layout_watch.check())
     assert (change.reason, change.proposer, change.stage) == ("adopted", "a", 1)
+
+
+def test_a_peer_whose_replan_dropped_a_stage_that_was_not_lost_joins_the_others_where_it_is_needed() -> None:
+    """CI: both survivors re-planned at once; "c" had also dropped "a"'s stage (its record and pings
+    were missing for a while) and went to one stage, "a" to two. "c" takes the two-stage layout, at
+    the stage nobody holds in it; "a" stays."""
+    one = BASE.with_layout(1, ((0, 6),))
+    a = record("a", 0, version=1, layers=V1, layout_map=(0, -1, 1))
+    c = record("c", 0, version=1, layers=((0, 6),), layout_map=(-1, -1, 0))
+    change = adopted_layout(view_of([a, c], one), one, BASE, peer_id="c", stage=0)
+    assert change is not None and change.spec.stage_layers == V1 and change.spec.layout_version == 1
+    assert change.stage == 1 and change.layout_map == () and change.proposer == "a"
+    two = BASE.with_layout(1, V1)
+    assert adopted_layout(view_of([a, c], two), two, BASE, peer_id="a", stage=0) is None

@@ -214,3 +214,15 @@ def test_choose_layout_converges_between_concurrent_replans() -> None:
     assert choose_layout(parent, [b, a], num_unheld=1, alone=False) == b
     c = Layout(version=2, stage_layers=((0, 6),))
     assert choose_layout(a, [b, c], num_unheld=1, alone=False) == c, "a newer version goes first"
+
+
+def test_of_two_replans_of_one_version_the_one_that_kept_more_stages_wins() -> None:
+    """CI: one survivor's view lost the other's record and pings for a while, so it dropped that
+    peer's stage too: two v1 layouts of 2 and 1 stages. The one that dropped only the lost stage wins."""
+    kept_two = Layout(version=1, stage_layers=((0, 2), (2, 4)))
+    kept_one = Layout(version=1, stage_layers=((0, 4),))
+    assert choose_layout(kept_one, [kept_two], num_unheld=0, alone=False) == kept_two
+    assert choose_layout(kept_two, [kept_one], num_unheld=1, alone=False) is None
+    assert choose_layout(kept_one, [kept_two], num_unheld=0, alone=True) == kept_two
+    parent = Layout(version=0, stage_layers=((0, 1), (1, 3), (3, 4)))
+    assert choose_layout(parent, [kept_one, kept_two], num_unheld=2, alone=False) == kept_two
