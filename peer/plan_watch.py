@@ -40,22 +40,27 @@ MAX_PLANNED_PEERS = 256  # plan_global: 3.7 s at 256 volunteers, 10.2 s at 1,000
 
 def model_profile(spec: RunSpec, *, num_stage0_peers: int) -> ModelProfile:
     """The run's model as the planner sees it: per block, its FLOPs per sample, its float32
-    parameters (the optimizer holds gradients and two moments beside them) and its output per sample."""
+    parameters (the optimizer holds gradients and two moments beside them) and its output per sample.
+    A step is a batch of ``target_batch_size`` samples for the whole swarm (``replica_sync``
+    "gradients") or for each stage-0 replica ("periodic")."""
     model = spec.model
-    per_replica = max(1, spec.target_batch_size // spec.microbatch_size)
+    per_batch = max(1, spec.target_batch_size // spec.microbatch_size)
+    per_step = per_batch if spec.replica_sync == "gradients" else per_batch * max(1, num_stage0_peers)
     return ModelProfile(
         layer_flops=layer_flops_per_sample(spec),
         layer_param_bytes=tuple(4.0 * n for n in layer_num_params(spec)),
         layer_activation_bytes=(float(activation_bytes(spec) * model.seq_len * model.d_model),) * model.num_layers,
-        microbatch_size=spec.microbatch_size, num_microbatches=per_replica * max(1, num_stage0_peers),
+        microbatch_size=spec.microbatch_size, num_microbatches=per_step,
         optimizer_bytes_per_param_byte=3.0,
     )
 
 
-def swarm_snapshot(view: SwarmView, spec: RunSpec, *, max_in_flight: int,
-                   averaging_period: float) -> tuple[SwarmSnapshot, dict[str, int]] | None:
+def swarm_snapshot(view: SwarmView, spec: RunSpec, *, max_in_flight: int) -> tuple[SwarmSnapshot, dict[str, int]] | None:
     """The planner's snapshot of the peers of this layout that hold or load a stage, and each one's
-    stage; None without members."""
+    stage; None without members. Replicas that exchange gradients every step (``replica_sync``
+    "gradients", the default) are the cost model's blocking averaging (period 0); periodic averaging
+    is its background share at ``averaging_period``."""
+    averaging_period = 0.0 if spec.replica_sync == "gradients" else spec.averaging_period
     records = [r for r in view.records if r.state in MEMBER_STATES and 0 <= r.stage < spec.num_stages]
     if not records:
         return None
@@ -87,8 +92,7 @@ class GlobalPlanWatch:
     def check(self) -> Adoption | None:
         """The global plan of the swarm as this peer sees it now, and the verdict on it; None without
         members, or with more than ``MAX_PLANNED_PEERS`` (the planner's time grows fast with them)."""
-        taken = swarm_snapshot(self.view, self.spec, max_in_flight=self.max_in_flight,
-                               averaging_period=self.spec.averaging_period)
+        taken = swarm_snapshot(self.view, self.spec, max_in_flight=self.max_in_flight)
         if taken is None:
             return None
         snapshot, stage_of = taken

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -37,7 +38,7 @@ def view_of(records: list[PeerRecord]) -> SwarmView:
 
 
 def test_the_snapshot_holds_the_layouts_members_their_links_and_the_model() -> None:
-    snapshot, stage_of = swarm_snapshot(view_of(RECORDS), SPEC, max_in_flight=8, averaging_period=15.0)
+    snapshot, stage_of = swarm_snapshot(view_of(RECORDS), SPEC, max_in_flight=8)
     assert stage_of == {"a": 0, "b": 0, "c": 1, "d": 1}  # the joiner holds no stage yet
     assert [d.peer_id for d in snapshot.devices] == ["a", "b", "c", "d"]
     memory = {d.peer_id: d.memory_bytes for d in snapshot.devices}
@@ -46,8 +47,15 @@ def test_the_snapshot_holds_the_layouts_members_their_links_and_the_model() -> N
     assert snapshot.links.bandwidth[i, j] == 20e6 / 8 and snapshot.links.latency_delay[i, j] == 0.06
     assert snapshot.model.layer_flops == layer_flops_per_sample(SPEC)
     assert snapshot.runtime.max_in_flight_per_peer == 8
-    assert model_profile(SPEC, num_stage0_peers=2).num_microbatches == 2 * SPEC.target_batch_size // SPEC.microbatch_size
-    assert swarm_snapshot(view_of(RECORDS[-1:]), SPEC, max_in_flight=8, averaging_period=15.0) is None
+    # the default replicas exchange gradients every swarm-wide batch: blocking, once per batch
+    per_batch = SPEC.target_batch_size // SPEC.microbatch_size
+    assert SPEC.replica_sync == "gradients" and snapshot.runtime.averaging_period == 0
+    assert model_profile(SPEC, num_stage0_peers=2).num_microbatches == per_batch
+    periodic = dataclasses.replace(SPEC, replica_sync="periodic", pipeline_schedule="delayed")
+    assert model_profile(periodic, num_stage0_peers=2).num_microbatches == 2 * per_batch
+    snapshot, _ = swarm_snapshot(view_of(RECORDS), periodic, max_in_flight=8)
+    assert snapshot.runtime.averaging_period == periodic.averaging_period
+    assert swarm_snapshot(view_of(RECORDS[-1:]), SPEC, max_in_flight=8) is None
 
 
 def test_every_order_of_the_records_gives_the_same_plan_and_verdict_and_each_check_writes_an_event(tmp_path) -> None:
