@@ -128,5 +128,5 @@ class GlobalPlanWatch:
                 pass
             try:
                 await asyncio.to_thread(self.check)
-            except ValueError as e:  # records the planner cannot use (e.g. a memory no plan fits): next period
-                logger.warning(f"no global plan this period: {e}")
+            except Exception as e:  # a plan is advice: records it cannot use (or a planner bug) never stop training
+                logger.warning(f"no global plan this period: {e!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
@@ -85,3 +86,23 @@ def test_a_swarm_larger_than_the_planner_handles_in_a_period_gets_no_plan(tmp_pa
     assert watch.check() is None
     metrics.close()
     assert path.read_text() == ""
+
+
+def test_a_planner_error_costs_one_period_and_never_the_peer() -> None:
+    """The loop of checks survives a check that raises (records the planner cannot use, or a bug)."""
+    calls = []
+
+    class Failing(GlobalPlanWatch):
+        def check(self):
+            calls.append(len(calls))
+            if len(calls) == 1:
+                raise ZeroDivisionError("a planner bug")
+            stop.set()
+
+    async def main() -> None:
+        watch = Failing(view_of(RECORDS), SPEC, period=0.01, max_in_flight=8, metrics=EventLog(None))
+        await asyncio.wait_for(watch.run(stop), timeout=60)
+
+    stop = asyncio.Event()
+    asyncio.run(main())
+    assert calls == [0, 1]
