@@ -7,7 +7,8 @@ link's own round trip and rate.
 Needs root (peer/harness/internet.py). Two hosts on the same kind of link (R Mbit/s, D ms one way: a
 4·D ms round trip); one serves an echo handler (``dht.rpc.serve_request``: read the request, answer with
 as many bytes), the other calls it ``--repeats`` times per size, one call at a time, and then two at a
-time. One JSON line per size: the median seconds of a call, its round trips (÷ 4·D) and what pure
+time, and then as ``--split`` K calls of N/K bytes at once (one activation sent in K pieces, each on its
+own stream with its own window). One JSON line per size: the median seconds of a call, its round trips (÷ 4·D) and what pure
 transfer at the link's rate would take (2 N bytes at R, plus one round trip). A call that costs many
 round trips more than its bytes explain is bound by windows (TCP's congestion window after idle, the
 stream multiplexer's per-stream window), not by the link's rate.
@@ -51,7 +52,7 @@ async def serve(address: str) -> None:
     await asyncio.Event().wait()
 
 
-async def call(maddr: str, sizes: list[int], repeats: int) -> None:
+async def call(maddr: str, sizes: list[int], repeats: int, splits: list[int]) -> None:
     import torch
     from hivemind.p2p import P2P
 
@@ -70,7 +71,9 @@ async def call(maddr: str, sizes: list[int], repeats: int) -> None:
     for size in sizes:
         alone = [await one(size) for _ in range(repeats)]
         pairs = [max(await asyncio.gather(one(size), one(size))) for _ in range(repeats)]
-        print(json.dumps({"size": size, "alone_s": alone, "two_at_once_s": pairs}), flush=True)
+        split = {k: [max(await asyncio.gather(*(one(size // k) for _ in range(k)))) for _ in range(repeats)]
+                 for k in splits}
+        print(json.dumps({"size": size, "alone_s": alone, "two_at_once_s": pairs, "split_s": split}), flush=True)
 
 
 def main() -> None:
@@ -78,6 +81,8 @@ def main() -> None:
     parser.add_argument("--link", default="20/40", help="RATE_MBIT/ONE_WAY_DELAY_MS of both hosts' links")
     parser.add_argument("--sizes", type=int, nargs="+", default=[65536, 262144, 524288, 1048576, 4194304])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--split", type=int, nargs="*", default=[2, 4],
+                        help="also send each size as K calls of size/K at once (each on its own stream)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--call", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -85,7 +90,7 @@ def main() -> None:
         asyncio.run(serve(args.serve))
         return
     if args.call:
-        asyncio.run(call(args.call, args.sizes, args.repeats))
+        asyncio.run(call(args.call, args.sizes, args.repeats, args.split))
         return
     from peer.harness.internet import Internet, Link
 
@@ -97,7 +102,7 @@ def main() -> None:
         server = a.spawn(sys.executable, __file__, "--serve", a.address, stdout=subprocess.PIPE, text=True)
         maddr = json.loads(server.stdout.readline())["maddrs"][0]
         client = b.run(sys.executable, __file__, "--call", maddr, "--sizes", *map(str, args.sizes),
-                       "--repeats", str(args.repeats), timeout=1800)
+                       "--repeats", str(args.repeats), "--split", *map(str, args.split), timeout=1800)
         rtt = 4 * delay / 1000
         for line in client.stdout.splitlines():
             row = json.loads(line)
@@ -105,7 +110,9 @@ def main() -> None:
             transfer = 2 * size * 8 / (rate * 1e6) + rtt
             print(json.dumps({"bench": "wan_calls", "rate_mbit": rate, "delay_ms": delay, "rtt_s": rtt, "bytes_each_way": size,
                               "call_s_p50": round(alone, 3), "call_round_trips": round(alone / rtt, 1),
-                              "rate_bound_s": round(transfer, 3), "two_at_once_s_p50": round(pairs, 3)}), flush=True)
+                              "rate_bound_s": round(transfer, 3), "two_at_once_s_p50": round(pairs, 3),
+                              **{f"split_{k}_s_p50": round(statistics.median(v), 3) for k, v in row["split_s"].items()}}),
+                  flush=True)
 
 
 if __name__ == "__main__":

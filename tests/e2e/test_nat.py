@@ -114,7 +114,7 @@ def test_peers_behind_nats_serve_average_and_say_how_they_are_reached(internet, 
             return (len(injected_by(nat1, ids["nat0"])) >= 3 and len(injected_by(nat1, ids["client"])) >= 1
                     and any(e["t"] > joined_at for e in nat1.events("averaged")) and bool(client.events("averaged")))
 
-        wait_for(lambda: served() or not all(p.is_alive() for p in everyone), 120,
+        wait_for(lambda: served() or not all(p.is_alive() for p in everyone), 240,
                  "microbatches of the late NATed peer and of the client through the NATed stage-1 peer, and rounds")
         assert served(), swarm.logs()
         # it never opened a connection to the late joiner; what carried its microbatches is a punched hole
