@@ -243,15 +243,15 @@ class Peer:
 
     async def _relayout(self, change: LayoutChange, own_state: dict[str, torch.Tensor], watch: RescueWatch,
                         started: float) -> None:
-        """Move to ``change``'s layout: serve the old state for a while (``Handoff``), and build the new
-        stage from the old stages' states (``peer.relayout``)."""
+        """Move to ``change``'s layout: serve the old state a while (``Handoff``), build the new stage (``peer.relayout``)."""
         old_spec, old_index = self.spec, self.stage.index
         new_spec, new_index = change.spec, change.stage
         backup = self.keeper.backup
-        handoff = Handoff(self.p2p, old_spec, old_index, own_state, backup=backup,
-                          request_timeout=self.config.request_timeout)
-        await handoff.start()
-        self._handoffs.append(handoff)
+        if old_spec.namespace != new_spec.namespace:  # a same-version rival shares it: its handlers would clash
+            handoff = Handoff(self.p2p, old_spec, old_index, own_state, backup=backup,
+                              request_timeout=self.config.request_timeout)
+            await handoff.start()
+            self._handoffs.append(handoff)
         self.spec = new_spec
         self.view.set_layout(new_spec.layout_version, new_spec.stage_layers)
         self.keeper.spec, self.keeper.backup = new_spec, None  # the old layout's copy: served by the handoff
