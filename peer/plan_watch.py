@@ -55,13 +55,18 @@ def model_profile(spec: RunSpec, *, num_stage0_peers: int) -> ModelProfile:
     )
 
 
+def layout_members(view: SwarmView, spec: RunSpec) -> list:
+    """The records of this layout's peers that hold or load a stage."""
+    return [r for r in view.records if r.state in MEMBER_STATES and 0 <= r.stage < spec.num_stages]
+
+
 def swarm_snapshot(view: SwarmView, spec: RunSpec, *, max_in_flight: int) -> tuple[SwarmSnapshot, dict[str, int]] | None:
     """The planner's snapshot of the peers of this layout that hold or load a stage, and each one's
     stage; None without members. Replicas that exchange gradients every step (``replica_sync``
     "gradients", the default) are the cost model's blocking averaging (period 0); periodic averaging
     is its background share at ``averaging_period``."""
     averaging_period = 0.0 if spec.replica_sync == "gradients" else spec.averaging_period
-    records = [r for r in view.records if r.state in MEMBER_STATES and 0 <= r.stage < spec.num_stages]
+    records = layout_members(view, spec)
     if not records:
         return None
     ids = [r.peer_id for r in records]
@@ -92,16 +97,17 @@ class GlobalPlanWatch:
     def check(self) -> Adoption | None:
         """The global plan of the swarm as this peer sees it now, and the verdict on it; None without
         members, or with more than ``MAX_PLANNED_PEERS`` (the planner's time grows fast with them)."""
+        num_members = len(layout_members(self.view, self.spec))
+        if num_members > MAX_PLANNED_PEERS:  # checked before the snapshot: its link matrix alone is n² pairs
+            if self._last != "too large":
+                logger.info(f"no global plan: {num_members} peers are more than the {MAX_PLANNED_PEERS} "
+                            "the planner handles in a period")
+            self._last = "too large"
+            return None
         taken = swarm_snapshot(self.view, self.spec, max_in_flight=self.max_in_flight)
         if taken is None:
             return None
         snapshot, stage_of = taken
-        if snapshot.num_devices > MAX_PLANNED_PEERS:
-            if self._last != "too large":
-                logger.info(f"no global plan: {snapshot.num_devices} peers are more than the {MAX_PLANNED_PEERS} "
-                            "the planner handles in a period")
-            self._last = "too large"
-            return None
         started = self.clock()
         plan = plan_global(snapshot, self.plan_config)
         adoption = decide(snapshot, self.spec.stage_layers, stage_of, plan, self.adoption)
