@@ -61,7 +61,8 @@ def loadavg() -> str:
 
 
 def run_spec(name: str, *, num_stages: int, microbatch_size: int, max_in_flight: int):
-    from dht.records import RunSpec, even_stage_layers
+    from dht.layouts import even_stage_layers
+    from dht.records import RunSpec
     from swarm.presets import preset
 
     model = preset(name)

@@ -232,7 +232,7 @@ def bench_heldout(seeds: list[int]) -> None:
     for name in HELDOUT:
         for seed in seeds:
             snapshot = build_heldout(name, seed)
-            simulation = simulation_config(GlobalPlanConfig(), snapshot.model)
+            simulation = simulation_config(GlobalPlanConfig(), snapshot)
             methods = {
                 "old": lambda s: plan_partition(s, rng=np.random.default_rng(0)),
                 "old_rng1": lambda s: plan_partition(s, rng=np.random.default_rng(1)),

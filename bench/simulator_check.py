@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,14 +178,15 @@ def predict(stages: dict[str, int], flops: list[float], *, num_steps: int, overh
     return simulate_plan(snapshot, plan, config, rng=np.random.default_rng(0)).throughput
 
 
-def calibrate(run: dict, *, num_steps: int) -> float:
-    """The per-message overhead (FLOP-equivalents) at which the simulator reproduces ``run``."""
+def calibrate(predicted: Callable[[float], float], measured: float) -> float:
+    """The per-message overhead (FLOP-equivalents) at which ``predicted(overhead)``, the simulated
+    samples/s of a run, reproduces its ``measured`` samples/s (bisection; 0 if none is needed)."""
     low, high = 0.0, 1e11
-    if predict(run["stages"], run["flops"], num_steps=num_steps) <= run["measured"]:
+    if predicted(0.0) <= measured:
         return 0.0
     for _ in range(50):
         mid = (low + high) / 2
-        if predict(run["stages"], run["flops"], num_steps=num_steps, overhead_flops=mid) > run["measured"]:
+        if predicted(mid) > measured:
             low = mid
         else:
             high = mid
@@ -222,7 +224,9 @@ def main() -> None:
             runs[name] = {"stages": real["stages"], "measured": real["samples_per_s"],
                           "flops": [statistics.median(column) for column in zip(*before, *after)],
                           "bursts": before + after, "joined": real["joined_flops"], "num_peers": num_peers}
-    overhead = calibrate(runs[args.calibrate_on], num_steps=12)
+    base = runs[args.calibrate_on]
+    overhead = calibrate(lambda flops: predict(base["stages"], base["flops"], num_steps=12, overhead_flops=flops),
+                         base["measured"])
     for name, run in runs.items():
         predicted = predict(run["stages"], run["flops"], num_steps=12, overhead_flops=overhead)
         uncalibrated = predict(run["stages"], run["flops"], num_steps=12)

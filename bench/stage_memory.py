@@ -170,7 +170,8 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.stage, max_in_flight=args.max_in_flight,
                                 checkpoint_activations=args.activation_checkpointing, num_threads=args.num_threads)))
         return
-    from dht.records import RunSpec, even_stage_layers
+    from dht.layouts import even_stage_layers
+    from dht.records import RunSpec
     from peer.memory_model import stage_memory
     from swarm.presets import preset
 

@@ -8,7 +8,9 @@ Needs root (peer/harness/internet.py). Two hosts on the same kind of link (R Mbi
 4·D ms round trip); one serves an echo handler (``dht.rpc.serve_request``: read the request, answer with
 as many bytes), the other calls it ``--repeats`` times per size, one call at a time, and then two at a
 time, and then as ``--split`` K calls of N/K bytes at once (one activation sent in K pieces, each on its
-own stream with its own window). One JSON line per size: the median seconds of a call, its round trips (÷ 4·D) and what pure
+own stream with its own window), and then as one call striped over K streams (``--split`` K again:
+``dht.striping``, what the pipeline's forward calls do on a long round trip), and then on streams
+kept open and reused, one call after another on each (``kept_s``: does a stream's window grow?). One JSON line per size: the median seconds of a call, its round trips (÷ 4·D) and what pure
 transfer at the link's rate would take (2 N bytes at R, plus one round trip). A call that costs many
 round trips more than its bytes explain is bound by windows (TCP's congestion window after idle, the
 stream multiplexer's per-stream window), not by the link's rate.
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 HANDLER = "wan_calls.echo"
+KEPT_HANDLER = "wan_calls.kept"
 MAX_PAYLOAD = 64 << 20
 
 
@@ -46,7 +49,19 @@ async def serve(address: str) -> None:
     async def handler(info, reader, writer):
         await serve_request(reader, writer, echo, max_payload_bytes=MAX_PAYLOAD, timeout=120, what="echo")
 
+    async def kept_handler(info, reader, writer):  # request after request on one stream, until the caller hangs up
+        from dht.wire import read_message, write_message
+        try:
+            while True:
+                header, _ = await read_message(reader, max_payload_bytes=MAX_PAYLOAD, timeout=600)
+                await write_message(writer, *(await echo(header, [])))
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
+            pass
+        finally:
+            writer.close()
+
     await p2p.add_binary_stream_handler(HANDLER, handler)
+    await p2p.add_binary_stream_handler(KEPT_HANDLER, kept_handler)
     maddrs = [str(m) for m in await p2p.get_visible_maddrs() if address in str(m)]
     print(json.dumps({"maddrs": maddrs}), flush=True)
     await asyncio.Event().wait()
@@ -54,26 +69,40 @@ async def serve(address: str) -> None:
 
 async def call(maddr: str, sizes: list[int], repeats: int, splits: list[int]) -> None:
     import torch
-    from hivemind.p2p import P2P
+    from hivemind.p2p import P2P, PeerID
 
     from dht.rpc import call_peer
+    from dht.wire import read_message, write_message
 
     p2p = await P2P.create(initial_peers=[maddr])
     peer_id = maddr.rsplit("/", 1)[-1]
 
-    async def one(size: int) -> float:
+    async def one(size: int, stripes: int = 1) -> float:
         started = time.monotonic()
         await call_peer(p2p, peer_id, HANDLER, {"size": size}, [torch.zeros(size // 4)],
-                        timeout=120, max_payload_bytes=MAX_PAYLOAD)
+                        timeout=120, max_payload_bytes=MAX_PAYLOAD, stripes=stripes)
+        return time.monotonic() - started
+
+    kept = [await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), KEPT_HANDLER) for _ in range(2)]
+
+    async def on_kept(size: int) -> float:
+        started = time.monotonic()
+        _, reader, writer = kept[0]
+        await write_message(writer, {"size": size}, [torch.zeros(size // 4)])
+        await read_message(reader, max_payload_bytes=MAX_PAYLOAD, timeout=120)
         return time.monotonic() - started
 
     await one(1024)  # the connection (dial, security, muxer) is not part of a call
+    await on_kept(1024)
     for size in sizes:
         alone = [await one(size) for _ in range(repeats)]
         pairs = [max(await asyncio.gather(one(size), one(size))) for _ in range(repeats)]
         split = {k: [max(await asyncio.gather(*(one(size // k) for _ in range(k)))) for _ in range(repeats)]
                  for k in splits}
-        print(json.dumps({"size": size, "alone_s": alone, "two_at_once_s": pairs, "split_s": split}), flush=True)
+        striped = {k: [await one(size, stripes=k) for _ in range(repeats)] for k in splits}
+        reused = [await on_kept(size) for _ in range(repeats)]
+        print(json.dumps({"size": size, "alone_s": alone, "two_at_once_s": pairs, "split_s": split,
+                          "striped_s": striped, "kept_s": reused}), flush=True)
 
 
 def main() -> None:
@@ -111,7 +140,9 @@ def main() -> None:
             print(json.dumps({"bench": "wan_calls", "rate_mbit": rate, "delay_ms": delay, "rtt_s": rtt, "bytes_each_way": size,
                               "call_s_p50": round(alone, 3), "call_round_trips": round(alone / rtt, 1),
                               "rate_bound_s": round(transfer, 3), "two_at_once_s_p50": round(pairs, 3),
-                              **{f"split_{k}_s_p50": round(statistics.median(v), 3) for k, v in row["split_s"].items()}}),
+                              **{f"split_{k}_s_p50": round(statistics.median(v), 3) for k, v in row["split_s"].items()},
+                              **{f"striped_{k}_s_p50": round(statistics.median(v), 3) for k, v in row["striped_s"].items()},
+                              "kept_stream_s_p50": round(statistics.median(row["kept_s"]), 3)}),
                   flush=True)
 
 

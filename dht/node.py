@@ -10,7 +10,16 @@ daemon's auto-relay with exactly those as static relays. hivemind 1.1.12's ``P2P
 argument for the daemon's ``-relayDiscovery`` flag, and with discovery on, go-libp2p's auto-relay
 waits for 4 relay candidates or 3 minutes before it reserves (measured: 195 s in a swarm of two
 public peers); so the DHT's own process adds ``-relayDiscovery=0`` to its daemon's command line
-(:class:`_StaticRelayDHT`), which makes the reservation take well under a second.
+(:class:`_NodeDHT`), which makes the reservation take well under a second.
+
+A node that others dial at its own address (``reuse_port=False``) dials out from a fresh port, not
+its listening one (go-libp2p's ``SO_REUSEPORT``, on by default, which hole punching behind a NAT
+needs). With it, two peers that dial each other within one round trip (two new neighbours pinging
+each other at once) meet in one TCP connection by simultaneous open, where both sides start the
+security handshake as its initiator: both dials fail ("noise: message is too short", 4 of 4 tries
+on an emulated 160 ms round trip) and libp2p then refuses every dial to that address for 5 s ("dial
+backoff"), so each declared the other down (CI 2026-11-28). From fresh ports the two dials are two
+connections and both succeed (4 of 4).
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ class DHTNodeConfig:
         identity: run as this identity instead of ``identity_path``'s or a fresh one (the same
             peer id for a reachability probe and the node after it); hivemind's "is this identity
             taken" check is then skipped.
+        reuse_port: dial out from the listening port (go-libp2p's default; hole punching needs it);
+            False for a node others dial at its own address (the module docstring says why).
     """
 
     initial_peers: tuple[str, ...] = ()
@@ -67,6 +78,7 @@ class DHTNodeConfig:
     relays: tuple[str, ...] = ()
     daemon_reachability: str | None = None
     identity: PeerIdentity | None = None
+    reuse_port: bool = True
 
     def __post_init__(self) -> None:
         if self.daemon_reachability not in (None, "public", "private"):
@@ -103,7 +115,7 @@ def open_dht(config: DHTNodeConfig) -> tuple[hivemind.DHT, RSASignatureValidator
         fd = os.open(identity_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(identity.to_bytes())
-    dht = (_StaticRelayDHT if config.relays else hivemind.DHT)(
+    dht = _NodeDHT(
         initial_peers=list(config.initial_peers) or None,
         host_maddrs=list(config.host_maddrs),
         client_mode=config.client_mode,
@@ -112,14 +124,18 @@ def open_dht(config: DHTNodeConfig) -> tuple[hivemind.DHT, RSASignatureValidator
         bootstrap_timeout=min(5.0, config.start_timeout),
         wait_timeout=min(5.0, config.start_timeout),
         identity_path=identity_path,
+        # the daemon's own start may take the whole join time: it took over hivemind's 15 s for a peer
+        # starting beside two training swarms on 2 cores (CI 2026-11-28)
+        startup_timeout=config.start_timeout,
         **kwargs,
     )
+    dht.static_relays, dht.reuse_port = bool(config.relays), config.reuse_port
     try:
         dht.run_in_background(await_ready=True, timeout=config.start_timeout)
     except (P2PDaemonError, TimeoutError, RuntimeError) as e:
         dht.shutdown()
         where = ", ".join(config.initial_peers) or "(no bootstrap)"
-        raise BootstrapError(f"could not join the swarm through {where}: {_first_line(e)}") from e
+        raise BootstrapError(f"could not join the swarm through {where}: {first_line(e)}") from e
     finally:
         if temporary_dir is not None:
             shutil.rmtree(temporary_dir, ignore_errors=True)
@@ -140,22 +156,30 @@ def _p2p_options(config: DHTNodeConfig) -> dict:
     return kwargs
 
 
-class _StaticRelayDHT(hivemind.DHT):
-    """A ``hivemind.DHT`` whose daemon reserves on its trusted relays only (``-relayDiscovery=0``).
+class _NodeDHT(hivemind.DHT):
+    """A ``hivemind.DHT`` whose daemon reserves on its trusted relays only (``-relayDiscovery=0``,
+    with ``static_relays``) and dials from fresh ports unless ``reuse_port`` (the module docstring).
 
-    The flag is added in the DHT's own process (``run`` is called there, after the fork), to the
-    daemon started with ``trustedRelays``; the parent process's hivemind is left as it was.
+    Both are set in the DHT's own process (``run`` is called there, after the fork): the flag on the
+    command line of the daemon started with ``trustedRelays``, go-libp2p's ``LIBP2P_TCP_REUSEPORT``
+    in the environment the daemon inherits. The parent process is left as it was.
     """
 
+    static_relays = False
+    reuse_port = True
+
     def run(self) -> None:
-        make_args = P2P._make_process_args
+        if self.static_relays:
+            make_args = P2P._make_process_args
 
-        def with_static_relays(*args: object, **kwargs: object) -> list[str]:
-            if "trustedRelays" in kwargs:  # the node's daemon (not hivemind's identity-check daemon)
-                kwargs["relayDiscovery"] = False
-            return make_args(*args, **kwargs)
+            def with_static_relays(*args: object, **kwargs: object) -> list[str]:
+                if "trustedRelays" in kwargs:  # the node's daemon (not hivemind's identity-check daemon)
+                    kwargs["relayDiscovery"] = False
+                return make_args(*args, **kwargs)
 
-        P2P._make_process_args = staticmethod(with_static_relays)
+            P2P._make_process_args = staticmethod(with_static_relays)
+        if not self.reuse_port:
+            os.environ["LIBP2P_TCP_REUSEPORT"] = "false"
         super().run()
 
 
@@ -186,6 +210,7 @@ def _load_record_key(identity_path: str | None) -> RSAPrivateKey:
     return fresh
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An error's first line (at most 300 characters), or its type's name when it says nothing."""
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0][:300]

@@ -19,6 +19,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dht.layouts import MAX_STAGES, Assignment, assignment_from_wire, check_stage_layers
 from dht.link_figures import MAX_LINK_FIGURES, LinkFigure, links_from_wire
 from planner.reachability import REACHABILITIES
 
@@ -28,8 +29,7 @@ RUNS_KEY = "murmuration.runs"
 # (RunSpec.pipeline_schedule, replica_sync; microbatches carry their batch, stages exchange gradients)
 PROTOCOL_VERSION = 3
 ROLES = ("reliable", "unreliable")
-PEER_STATES = ("joining", "syncing", "training", "paused", "leaving")
-MAX_STAGES = 64
+PEER_STATES = ("joining", "syncing", "training", "paused", "standby", "leaving")
 MAX_ADDRS = 16
 MAX_BINDING_BYTES = 1024  # peer_key (a libp2p RSA-4096 key is ~550 bytes) and peer_signature
 SOFTWARE_VERSION_PATTERN = re.compile(r"^[0-9A-Za-z.+_-]{0,32}$")
@@ -215,7 +215,7 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        _check_stage_layers(self.stage_layers, self.model.num_layers)
+        check_stage_layers(self.stage_layers, self.model.num_layers)
         if self.optimizer != "adamw":
             raise ValueError(f"optimizer must be 'adamw', got {self.optimizer!r}")
         _check_float("lr", self.lr, 0.0, 10.0, open_low=True)
@@ -308,8 +308,10 @@ class PeerRecord:
         peer_id: the libp2p peer id (base58).
         role: "reliable" (committed; hosts averaging) or "unreliable" (may vanish; client mode).
         state: "joining" (has announced intent), "syncing" (downloading state), "training",
-            "paused" (holds its stage and state but takes no work until resumed), "leaving".
-        stage: the stage it serves, or -1 while joining.
+            "paused" (holds its stage and state but takes no work until resumed), "standby" (the
+            global plan leaves it idle: it holds no stage until a plan names one; peer.standby),
+            "leaving".
+        stage: the stage it serves, or -1 while joining or standing by.
         flops: measured compute, FLOP/s (what the planner uses to place joiners).
         samples_per_s: samples/s it actually processed recently (0 until it has trained).
         num_samples: samples it has processed since it joined.
@@ -329,7 +331,9 @@ class PeerRecord:
             each layer-wise re-plan after a stage vanished adds one, ``planner.replanning``).
         stage_layers: that layout's block ranges per stage; empty means the run spec's own.
         layout_map: per stage of the layout before it, the stage that took its place (-1: it
-            vanished); empty under the run spec's own layout.
+            vanished); empty under the run spec's own layout, and after a global plan's re-split.
+        layout_assignment: from the proposer of a global plan's layout (``dht.layouts``):
+            the stage each planned peer takes in it; empty otherwise.
         memory_bytes: the memory it may use for a stage (``--max-memory-mb``, or what its device had
             free when it started), so a re-plan gives it no more layers than it can hold; 0: not said.
         links: what it measured of its links to a few peers it talks to (round-trip time, goodput;
@@ -370,6 +374,7 @@ class PeerRecord:
     layout_version: int = 0
     stage_layers: tuple[tuple[int, int], ...] = ()
     layout_map: tuple[int, ...] = ()
+    layout_assignment: Assignment = ()
     memory_bytes: int = 0
     links: tuple[LinkFigure, ...] = ()
     reachability: str = "direct"
@@ -402,10 +407,12 @@ class PeerRecord:
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
                 raise ValueError(f"{name} must be a non-negative integer")
         if self.stage_layers:
-            _check_stage_layers(self.stage_layers, None)
+            check_stage_layers(self.stage_layers, None)
         if (not isinstance(self.layout_map, tuple) or len(self.layout_map) > MAX_STAGES or not all(
                 isinstance(k, int) and not isinstance(k, bool) and -1 <= k < MAX_STAGES for k in self.layout_map)):
             raise ValueError(f"layout_map must be at most {MAX_STAGES} stage indices (or -1)")
+        if assignment_from_wire(self.layout_assignment, max_stages=MAX_STAGES) != self.layout_assignment:
+            raise ValueError("layout_assignment must be a tuple of (tag, stage) tuples")
         if not isinstance(self.links, tuple) or links_from_wire(self.links) != self.links:
             raise ValueError(f"links must be a tuple of at most {MAX_LINK_FIGURES} link figures")
         if self.reachability not in REACHABILITIES:
@@ -430,7 +437,8 @@ class PeerRecord:
         wire["stage_layers"] = [list(r) for r in self.stage_layers]
         wire["layout_map"] = list(self.layout_map)
         wire["links"] = [figure.to_wire() for figure in self.links]
-        for key, default in (("links", []), ("reachability", "direct"), ("pinned", False)):
+        wire["layout_assignment"] = [list(pair) for pair in self.layout_assignment]
+        for key, default in (("links", []), ("reachability", "direct"), ("pinned", False), ("layout_assignment", [])):
             if wire[key] == default:  # the default, and what records of peers older than the field read as
                 del wire[key]
         if math.isnan(self.val_loss):
@@ -457,32 +465,11 @@ class PeerRecord:
             raise ValueError("peer record layout_map must be a list")
         fields["layout_map"] = tuple(layout_map)
         fields["links"] = links_from_wire(fields.get("links", ()))
+        fields["layout_assignment"] = assignment_from_wire(fields.get("layout_assignment", ()), max_stages=MAX_STAGES)
         try:
             return cls(**fields)
         except TypeError as e:
             raise ValueError(f"peer record has wrong fields: {e}") from None
-
-
-def _check_stage_layers(stage_layers: Any, num_layers: int | None) -> None:
-    """Ranges that tile ``[0, num_layers)`` in order (any end up to 2**20 when ``num_layers`` is None)."""
-    if not isinstance(stage_layers, (tuple, list)) or not stage_layers or len(stage_layers) > MAX_STAGES:
-        raise ValueError(f"a run has 1-{MAX_STAGES} stages")
-    num_layers = num_layers if num_layers is not None else stage_layers[-1][1] if (
-        isinstance(stage_layers[-1], (tuple, list)) and len(stage_layers[-1]) == 2
-        and isinstance(stage_layers[-1][1], int) and 0 < stage_layers[-1][1] <= 1 << 20) else -1
-    if num_layers < 0:
-        raise ValueError(f"stage layer ranges must end at a layer in [1, 2**20], got {list(stage_layers)}")
-    expected_start = 0
-    for k, layer_range in enumerate(stage_layers):
-        if (not isinstance(layer_range, (tuple, list)) or len(layer_range) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in layer_range)):
-            raise ValueError(f"stage {k} layer range must be two integers, got {layer_range!r}")
-        start, end = layer_range
-        if start != expected_start or end <= start:
-            raise ValueError(f"stage layer ranges must tile [0, {num_layers}) in order, got {list(stage_layers)}")
-        expected_start = end
-    if expected_start != num_layers:
-        raise ValueError(f"stage layer ranges must cover all {num_layers} layers, got {list(stage_layers)}")
 
 
 def _check_float(name: str, value: Any, low: float, high: float, *, open_low: bool = False) -> None:
@@ -490,11 +477,3 @@ def _check_float(name: str, value: Any, low: float, high: float, *, open_low: bo
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < low or value > high or (open_low and value == low):
         raise ValueError(f"{name} must be in {'(' if open_low else '['}{low}, {high}], got {value!r}")
-
-
-def even_stage_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
-    """Split ``num_layers`` blocks into ``num_stages`` contiguous ranges, sizes differing by at most 1."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"need 1 <= num_stages ({num_stages}) <= num_layers ({num_layers})")
-    bounds = [round(k * num_layers / num_stages) for k in range(num_stages + 1)]
-    return tuple((bounds[k], bounds[k + 1]) for k in range(num_stages))

@@ -37,6 +37,44 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _LENGTH = struct.Struct(">I")
+READ_CHUNK = 64 * 1024  # a payload is read in pieces this large, each timed (ArrivalClock)
+WAITED_S = 0.002  # a piece whose read took longer waited for the network; a faster one was buffered already
+
+
+@dataclass
+class ArrivalClock:
+    """The payload bytes a reader waited for, and over how long: the sender's goodput.
+
+    Timed from the payload's header, a payload already buffered when its handler ran (the p2p daemon
+    takes in a whole yamux window while this peer's loop is busy) read as a burst: goodputs of
+    3-6 MB/s over a 10 Mbit/s path and up to 334 MB/s inside a 50 Mbit/s region, on a loaded
+    2-core host (the e2e global plan, 2026-11-28), which the planner believed. Only the bytes from
+    the first read that waited on count, over the time since that read began; a payload that was
+    all buffered says nothing (0 bytes)."""
+
+    clock: Callable[[], float] = time.monotonic
+    started: float | None = None
+    num_bytes: int = 0
+    ended: float = 0.0
+
+    async def read(self, reader: asyncio.StreamReader, nbytes: int) -> bytearray:
+        """``nbytes`` from ``reader`` (``readexactly``), read in ``READ_CHUNK`` pieces and timed."""
+        buffer = bytearray(nbytes)
+        view = memoryview(buffer)
+        for offset in range(0, nbytes, READ_CHUNK):
+            size = min(READ_CHUNK, nbytes - offset)
+            before = self.clock()
+            view[offset:offset + size] = await reader.readexactly(size)
+            self.ended = self.clock()
+            if self.started is None and self.ended - before > WAITED_S:
+                self.started = before
+            if self.started is not None:
+                self.num_bytes += size
+        return buffer
+
+    @property
+    def seconds(self) -> float:
+        return 0.0 if self.started is None else self.ended - self.started
 
 
 class ProtocolError(ValueError):
@@ -56,6 +94,7 @@ class Traffic:
 TRAFFIC = Traffic()
 
 UPLOAD_CHUNK_BYTES = 256 * 1024  # tensor bytes are metered and written in pieces of this size
+CONTROL_MESSAGE_BYTES = 16 * 1024  # a message this small is charged to --max-upload-mbps but never waits for it
 
 
 class UploadLimit:
@@ -95,8 +134,17 @@ class UploadLimit:
             self._stamp = now
             self._tokens -= nbytes
             if self._tokens < 0:
-                await asyncio.sleep(-self._tokens / self.rate)
-                self._tokens, self._stamp = 0.0, loop.time()  # the debt is paid; no credit for the wait
+                debt = -self._tokens
+                await asyncio.sleep(debt / self.rate)
+                # the debt is paid, no credit for the wait; what was charged meanwhile stays owed
+                self._tokens, self._stamp = self._tokens + debt, loop.time()
+
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` already sent without waiting: a control message (a ping's answer, a
+        notice) must not queue behind bulk transfers, or a capped peer serving its state answers
+        pings late and its neighbours declare it down. The next bulk write pays for it."""
+        if self.rate > 0 and nbytes > 0:
+            self._tokens -= nbytes
 
 
 # Process-wide, like TRAFFIC: the peer's --max-upload-mbps.
@@ -112,22 +160,33 @@ def encode_header(header: dict[str, Any], tensors: Sequence[torch.Tensor]) -> by
     return _LENGTH.pack(len(packed)) + packed
 
 
-async def write_message(
-    writer: asyncio.StreamWriter, header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()
-) -> None:
-    """Send one message; tensors are moved to CPU and sent as their raw bytes."""
+def _sendable(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` on the CPU, contiguous, each of a dtype the wire carries."""
     tensors = [t.detach().to("cpu").contiguous() for t in tensors]
     for t in tensors:
         if t.dtype not in DTYPE_NAMES:
             raise ProtocolError(f"dtype {t.dtype} cannot be sent")
+    return tensors
+
+
+async def write_message(
+    writer: asyncio.StreamWriter, header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()
+) -> None:
+    """Send one message; tensors are moved to CPU and sent as their raw bytes."""
+    tensors = _sendable(tensors)
     encoded = encode_header(header, tensors)
-    await UPLOAD_LIMIT.acquire(len(encoded))
+    total = len(encoded) + sum(t.numel() * t.element_size() for t in tensors)
+    metered = UPLOAD_LIMIT.rate > 0 and total > CONTROL_MESSAGE_BYTES
+    if metered:
+        await UPLOAD_LIMIT.acquire(len(encoded))
+    else:
+        UPLOAD_LIMIT.charge(total)
     writer.write(encoded)
     for t in tensors:
         if not t.numel():
             continue
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        if UPLOAD_LIMIT.rate <= 0:
+        if not metered:
             writer.write(data)
             continue
         for start in range(0, len(data), UPLOAD_CHUNK_BYTES):
@@ -135,16 +194,17 @@ async def write_message(
             await UPLOAD_LIMIT.acquire(len(chunk))
             writer.write(chunk)
             await writer.drain()
-    TRAFFIC.bytes_sent += len(encoded) + sum(t.numel() * t.element_size() for t in tensors)
+    TRAFFIC.bytes_sent += total
     await writer.drain()
 
 
 async def read_message(
     reader: asyncio.StreamReader, *, max_payload_bytes: int, timeout: float,
-    on_payload: Callable[[int, float], None] | None = None,
+    on_payload: Callable[[int, float], None] | None = None, clock: Callable[[], float] = time.monotonic,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Receive one message within ``timeout`` seconds; ``on_payload(bytes, seconds)`` is told how
-    long its tensors took to arrive after its header (the sender's goodput, for large payloads).
+    many of its tensors' bytes this reader waited for and over how long (:class:`ArrivalClock`, on
+    ``clock``: the sender's goodput, for large payloads).
 
     Raises:
         ProtocolError: malformed header, unknown dtype, bad shape, or payload over ``max_payload_bytes``.
@@ -157,14 +217,49 @@ async def read_message(
         header = decode_header(await reader.readexactly(header_bytes))
         TRAFFIC.bytes_received += _LENGTH.size + header_bytes
         layouts = parse_tensor_layouts(header.pop("tensors", None), max_payload_bytes=max_payload_bytes)
-        tensors, started = [], time.monotonic()
+        tensors, arrival = [], ArrivalClock(clock)
         for dtype, shape, nbytes in layouts:
-            buffer = bytearray(await reader.readexactly(nbytes)) if nbytes else bytearray()
+            buffer = await arrival.read(reader, nbytes) if nbytes else bytearray()
             TRAFFIC.bytes_received += nbytes
             flat = torch.frombuffer(buffer, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
             tensors.append(flat.view(shape))
     if on_payload is not None:
-        on_payload(sum(nbytes for _, _, nbytes in layouts), time.monotonic() - started)
+        on_payload(arrival.num_bytes, arrival.seconds)
+    return header, tensors
+
+
+def encode_message(header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> bytes:
+    """One message as the bytes :func:`write_message` would send (a striped call sends them in pieces:
+    ``dht.striping``)."""
+    tensors = _sendable(tensors)
+    parts = [encode_header(header, tensors)]
+    parts.extend(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors if t.numel())
+    return b"".join(parts)
+
+
+def decode_message(blob: bytes | bytearray, *, max_payload_bytes: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The inverse of :func:`encode_message`, with :func:`read_message`'s checks: the header's size, its
+    tensor layouts against ``max_payload_bytes`` (before anything is allocated), and the blob's length
+    against what the header describes, exactly."""
+    if len(blob) < _LENGTH.size:
+        raise ProtocolError(f"a message of {len(blob)} bytes is too short for its header's length")
+    (header_bytes,) = _LENGTH.unpack_from(blob)
+    if header_bytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {header_bytes} bytes exceeds {MAX_HEADER_BYTES}")
+    start = _LENGTH.size + header_bytes
+    if len(blob) < start:
+        raise ProtocolError(f"a message of {len(blob)} bytes ends inside its header")
+    header = decode_header(bytes(blob[_LENGTH.size:start]))
+    layouts = parse_tensor_layouts(header.pop("tensors", None), max_payload_bytes=max_payload_bytes)
+    if len(blob) - start != sum(nbytes for _, _, nbytes in layouts):
+        raise ProtocolError(f"a message's tensors take {sum(n for _, _, n in layouts)} bytes, "
+                            f"but {len(blob) - start} follow its header")
+    tensors, offset = [], start
+    for dtype, shape, nbytes in layouts:  # a buffer each, as read_message's: aligned, and its own
+        flat = torch.frombuffer(bytearray(blob[offset:offset + nbytes]), dtype=dtype) if nbytes \
+            else torch.empty(0, dtype=dtype)
+        tensors.append(flat.view(shape))
+        offset += nbytes
     return header, tensors
 
 

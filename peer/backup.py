@@ -205,7 +205,8 @@ class BackupKeeper:
         if now is None:
             now = self.clock()
         num_stages = self.spec.num_stages
-        duties = assign_backups(num_stages, stage_members(self.view, num_stages, HOLDER_STATES))
+        standby = [r.peer_id for r in self.view.records if r.state == "standby"]
+        duties = assign_backups(num_stages, stage_members(self.view, num_stages, HOLDER_STATES), standby)
         duty = next((d for d in duties.values() if d.keeper_id == self.peer_id), None)
         # dropped once held again (not while a syncing joiner or rescuer may be pulling this very copy)
         if (self.backup is not None and (duty is None or duty.stage != self.backup.stage)

@@ -9,7 +9,8 @@ import os
 import time
 
 from dht.node import DHTNodeConfig, open_dht, visible_maddrs
-from dht.records import ModelSpec, RunSpec, even_stage_layers
+from dht.layouts import even_stage_layers
+from dht.records import ModelSpec, RunSpec
 from dht.registry import declare_run_spec, fetch_run_specs, owner_fingerprint
 from peer.config import BootstrapConfig, PeerConfig
 from peer.gather import GatheredModel, gather_model
@@ -120,7 +121,8 @@ class BootstrapNode:
         local = is_loopback_only(self.config.host_maddrs)  # else its relay is pinned (peer.reachability)
         node_config = DHTNodeConfig(initial_peers=self.config.initial_peers, host_maddrs=self.config.host_maddrs,
                                     announce_maddrs=self.config.announce_maddrs, identity_path=self.config.identity_path,
-                                    daemon_reachability=None if local else "private")
+                                    daemon_reachability=None if local else "private",
+                                    reuse_port=False)  # others dial it at its own address (dht.node)
         self.dht, self.validator = open_dht(node_config)
         self.owner = owner_fingerprint(self.validator.local_public_key)
         return visible_maddrs(self.dht)

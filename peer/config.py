@@ -14,6 +14,7 @@ from dht.records import BOUNDARY_CODECS, check_run_id, check_step_semantics
 
 RECOVERY_MODES = ("replay", "restart")  # see swarm/task_pool.py
 FLOW_CONTROLS = ("auto", "fixed")  # see swarm/flow_control.py
+STRIPE_CALLS = ("auto", "off")  # see dht/striping.py
 AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")  # swarm/robust.py's (not imported: it loads torch)
 
 DEFAULT_HOST_MADDR = "/ip4/0.0.0.0/tcp/0"
@@ -52,6 +53,7 @@ class PeerConfig:
     max_memory_mb: float = field(default=0.0, metadata=_help("memory this peer may use for its stage, MiB (0: what the machine has available)"))
     max_in_flight: int = field(default=8, metadata=_help("most microbatches a stage-0 peer keeps in the pipeline at once: the memory check sizes the stage for this many (each holds its graph at every stage it crossed), and the flow-control window stays at or below it; under the flush schedule a batch's share bounds it too"))
     flow_control: str = field(default="auto", metadata=_help("auto: the in-flight window follows the path's measured bandwidth x delay between 1 and --max-in-flight, backing off when round trips grow (queueing) or calls time out (docs/network.md); fixed: always --max-in-flight (for comparisons)"))
+    stripe_calls: str = field(default="auto", metadata=_help("auto: a forward call to a peer whose measured round trip is 10 ms or more is cut into pieces of 128 KiB, each on its own stream, all at once (a stream carries one window per round trip: 1.04 s against 0.43 s for an activation at 20 Mbit/s + 40 ms; docs/network.md); off: one stream per call (for comparisons)"))
     activation_checkpointing: bool = field(default=False, metadata=_help("keep only each block's input for the backward and recompute the rest when the gradient comes back: the in-flight microbatches take a small fraction of the memory, for one more forward of each block (up to a third more compute; run_peer.py --dry-run says what the stage needs either way)"))
     eval_every: int = field(default=4096, metadata=_help("samples a stage-0 peer trains between evaluations of the held-out loss through the pipeline (0: never)"))
     eval_sequences: int = field(default=128, metadata=_help("held-out sequences per evaluation (the same fixed set on every peer; more is steadier and slower)"))
@@ -85,7 +87,8 @@ class PeerConfig:
     rebalance_min_gain: float = field(default=0.2, metadata=_help("move only if the pipeline's bottleneck throughput rises by at least this fraction (0.2 = 20%%); FLOP/s measured on a busy machine are noisy"))
     aggregation: str = field(default="centered_clip", metadata=_help("how the replicas of a stage combine their states in an averaging round: centered_clip (robust: a replica far from the others is clipped, so one Byzantine replica cannot derail the stage), trimmed_mean (robust: drops the extremes of every coordinate) or mean (the plain mean; only for a swarm whose peers you all trust). NaN/Inf contributions are refused in every mode; with two replicas every mode is the mean"))
     replan_after: float = field(default=30.0, metadata=_help("seconds a stage may stay unheld, with no peer to spare for a rescue, before the peers re-plan the layout without it: its layers go to the stages left (seed 001 §3.4; 0: wait for a new peer instead)"))
-    global_plan_period: float = field(default=300.0, metadata=_help("seconds between computations of the global plan (issue 18: stage count, layer split and who serves what, from the peers' records and measured links) and of whether its gain would pay back the moves; logged and written as global_plan events, not acted on yet (0: never compute it)"))
+    global_plan_period: float = field(default=300.0, metadata=_help("seconds between computations of the global plan (issue 18: stage count, layer split and who serves what, from the peers' records and measured links) and of whether its gain pays back the moves; when it does, the swarm moves to it (docs/planner.md; never while a peer is pinned with --stage; 0: never compute it)"))
+    global_plan_min_gain: float = field(default=0.2, metadata=_help("propose the global plan only if, under the cost model, it is faster than the swarm as it runs by more than this fraction (0.2 = 20%%)"))
     backup_period: float = field(default=30.0, metadata=_help("seconds between refreshes of the backup this peer keeps when it is the keeper of a stage held by a single peer (the lowest peer id of the next stage); the first copy is taken at once (0: keep no backups)"))
 
     def __post_init__(self) -> None:
@@ -117,6 +120,8 @@ class PeerConfig:
             raise ValueError("--num-threads must be >= 0 and --max-in-flight >= 1")
         if self.flow_control not in FLOW_CONTROLS:
             raise ValueError(f"--flow-control must be auto or fixed, got {self.flow_control!r}")
+        if self.stripe_calls not in STRIPE_CALLS:
+            raise ValueError(f"--stripe-calls must be auto or off, got {self.stripe_calls!r}")
         if self.eval_every < 0 or self.eval_sequences < 1:
             raise ValueError("--eval-every must be >= 0 (0: never) and --eval-sequences >= 1")
         for name in ("join_timeout", "heartbeat_period", "heartbeat_ttl", "request_timeout", "max_payload_mb", "status_period",
@@ -126,7 +131,8 @@ class PeerConfig:
         if self.heartbeat_ttl <= 2 * self.heartbeat_period:
             raise ValueError("--heartbeat-ttl must exceed two heartbeat periods, or live peers would flicker")
         for name in ("max_memory_mb", "run_for", "settle_delay", "rebalance_period", "rebalance_min_gain", "max_upload_mbps",
-                     "max_forwards_per_peer", "backup_period", "replan_after", "global_plan_period"):
+                     "max_forwards_per_peer", "backup_period", "replan_after", "global_plan_period",
+                     "global_plan_min_gain"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):  # NaN fails both
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0")
         if self.ban_strikes < 0 or not (math.isfinite(self.ban_seconds) and self.ban_seconds > 0):

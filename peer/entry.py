@@ -7,10 +7,11 @@ SIGTERM is turned into the same orderly stop as Ctrl+C, because a process that o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvloop
 
@@ -51,3 +52,20 @@ def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> in
         logger.exception("stopped by an unexpected error")
         return 1
     return 0
+
+
+@contextlib.asynccontextmanager
+async def stop_or_after(stop: asyncio.Event, seconds: float) -> AsyncIterator[asyncio.Event]:
+    """An event set when ``stop`` is, or ``seconds`` after entering (0: never by time): what a peer
+    serves under for ``--run-for``. Not ``stop`` itself: a Ctrl+C after the time ran out is then a
+    first one (a graceful leave), not the second that aborts it."""
+    leave, loop = asyncio.Event(), asyncio.get_running_loop()
+    relay = loop.create_task(stop.wait())
+    relay.add_done_callback(lambda _: leave.set())
+    timer = loop.call_later(seconds, leave.set) if seconds > 0 else None
+    try:
+        yield leave
+    finally:
+        relay.cancel()
+        if timer is not None:
+            timer.cancel()

@@ -15,6 +15,10 @@ is set too; otherwise it refuses to start. Faults:
   the state it contributes to averaging drifts ``F`` times as far: robust averaging must out-vote it.
 * ``nan_updates``: every optimizer step leaves the parameters NaN, so the peer contributes NaN to
   averaging and (on a stage before the last) sends NaN activations: both must be refused.
+* ``slow_device``: its record says it is a weak device on a poor link: a thousandth of the compute
+  it measured, and of each link's goodput (50 kbit/s where it measured none), and ten times each
+  round trip (it computes and sends as fast as it can all the same). Every global plan leaves such
+  a peer idle, so a test can count on a peer standing by whatever the others measure.
 
 Every fault is applied here, in one place, by replacing one override point of the object it breaks.
 """
@@ -33,7 +37,8 @@ from peer.errors import UserError
 
 ALLOW_ENV = "MURMURATION_ALLOW_FAULT_INJECTION"
 FAULTS_ENV = "MURMURATION_INJECT_FAULTS"
-FAULTS = ("corrupt_shards", "wrong_outputs", "scale_updates", "nan_updates")
+FAULTS = ("corrupt_shards", "wrong_outputs", "scale_updates", "nan_updates", "slow_device")
+SLOW_DEVICE_FACTOR = 1000.0  # slow_device: its compute and goodputs divided by this, its round trips times 10
 VALUED = ("scale_updates",)  # faults written name=value; the others take no value
 logger = logging.getLogger(__name__)
 
@@ -123,6 +128,24 @@ def inject_bad_updates(stage: Any, *, scale: float = 1.0, nan: bool = False) -> 
     stage.optimizer.register_step_pre_hook(save)
     stage.optimizer.register_step_post_hook(corrupt)
     logger.warning(f"FAULT INJECTION (test only) on stage {stage.index}: updates x{scale}{', NaN' if nan else ''}")
+
+
+def inject_slow_device(peer: Any) -> None:
+    """``peer`` (a peer.lifecycle.Peer whose context exists) says it is slow from now on: its
+    ``flops`` and the link figures its record carries (``swarm.links.LinkMeter.summary``)."""
+    _require_allowed()
+    from dht.link_figures import LinkFigure  # here: run_peer.py reads its faults before it loads the rest
+
+    peer.flops /= SLOW_DEVICE_FACTOR
+    honest_summary = peer.ctx.links.summary
+
+    def summary(*args: Any, **kwargs: Any) -> tuple:
+        return tuple(LinkFigure.capped(f.peer_id, rtt_ms=10 * f.rtt_ms,
+                                       mbit_per_s=0.05 if f.mbit_per_s is None else f.mbit_per_s / SLOW_DEVICE_FACTOR)
+                     for f in honest_summary(*args, **kwargs))
+
+    peer.ctx.links.summary = summary
+    logger.warning(f"FAULT INJECTION (test only): this peer reports {peer.flops / 1e9:.4f} GFLOP/s and slow links")
 
 
 def _require_allowed() -> None:

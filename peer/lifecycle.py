@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import signal
 import time
 
 import torch
 
+from dht.layouts import STANDBY
 from dht.records import PeerRecord, RunSpec
 from dht.registry import declare_peer, dht_time
 from dht.reputation import Reputation
@@ -37,21 +37,24 @@ from dht.wire import TRAFFIC, UPLOAD_LIMIT
 from peer.backup import HOLDER_STATES, BackupKeeper, RescueWatch
 from peer.checkpoint import newest_checkpoint_layout
 from peer.config import PeerConfig
+from peer.entry import stop_or_after
 from peer.errors import UserError
 from peer.event_log import EventLog
-from peer.faults import inject_bad_updates, read_faults
+from peer.faults import inject_bad_updates, inject_slow_device, read_faults
 from peer.join import bootstrap_peer_ids, fetch_spec, negotiate_stage
 from peer.profiler import measure_flops, resolve_device, stage_memory_budget
 from peer.reachability import join_swarm
 from peer.model_sample import SampleLoop, gather_for_peer
 from peer.relayout import Handoff, LayoutChange, joiner_layout
+from peer.standby import stand_by
 from peer.context import PeerContext
 from peer.session import StageSession
 from peer.state_sources import StateLoader
-from peer.status.local import SOFTWARE_VERSION, StatusHistory, local_status, sample_of
+from peer.self_report import peer_record, peer_snapshot
+from peer.status.local import StatusHistory, local_status, sample_of
 from peer.status.protocol import StatusProtocol
 from peer.status.service import StatusSource, open_status
-from peer.status.snapshot import PeerSnapshot, PeerState, ServiceCounters, describe_activity
+from peer.status.snapshot import PeerState
 from peer.training_data import TrainingData, load_run_corpus
 from peer.transitions import announce_transition, compose_stage, report_relayout
 from planner.backup_plan import Rescue
@@ -76,7 +79,8 @@ class Peer:
         self.spec: RunSpec | None = None  # under the layout this peer trains under (peer.relayout)
         self.base_spec: RunSpec | None = None  # as the run published it
         self.view: SwarmView | None = None
-        self.stage: Stage | None = None
+        self.stage: Stage | None = None  # None while it stands by (peer.standby)
+        self.device: torch.device | None = None  # where its stages compute, from the join on
         self.session: StageSession | None = None  # the services of the stage it serves, while it serves it
         self.loader: StateLoader | None = None
         self.keeper: BackupKeeper | None = None  # the backup of another stage it may keep, across moves
@@ -91,13 +95,13 @@ class Peer:
         self.maddrs: tuple[str, ...] = ()
         self.flops = 0.0
         self.announced_at = 0.0
-        self._averaged = (0.0, "")  # the stage's last averaging round: when, and the digest it reached
+        self.averaged_round = (0.0, "")  # the stage's last averaging round: when, and the digest it reached
         self.started_at = time.monotonic()
         self.history: StatusHistory | None = None  # recent counters: the rates and plots of the windows
-        self._checkpoint_progress = None  # the last (or current) checkpoint write's, across sessions
-        self._layout_map: tuple[int, ...] = ()  # how the current layout derives from the one before
+        self.checkpoint_progress = None  # the last (or current) checkpoint write's, across sessions
+        self.layout_change: LayoutChange | None = None  # how the current layout derives from the one before
         self.memory_budget = 0  # bytes this peer may use for a stage, set by the first memory check
-        self.snapshot = self._take_snapshot()  # what its windows show (peer.status)
+        self.snapshot = peer_snapshot(self)  # what its windows show (peer.status)
         self.samples = SampleLoop(lambda: gather_for_peer(self), period=config.sample_period)  # --sample-period
 
     def log_prefix(self) -> str:
@@ -141,7 +145,7 @@ class Peer:
         logger.info(f"run spec: {self.spec.describe()}")
         self.history = StatusHistory(seq_len=self.spec.model.seq_len)
         corpus = load_run_corpus(self.spec, config)  # before choosing a stage: a data mistake is the user's to fix
-        device = resolve_device(config.device)
+        self.device = device = resolve_device(config.device)
         self.flops = await asyncio.to_thread(measure_flops, self.spec, device)
         logger.info(f"measured {self.flops / 1e9:.2f} GFLOP/s on {device}")
         self.view = SwarmView(self.dht, self.spec.run_id)
@@ -154,7 +158,7 @@ class Peer:
         stage_index, snapshot = await self._choose_stage()
         self.metrics.write("joined", peer_id=self.peer_id, stage=stage_index, flops=self.flops,
                            snapshot=[r.to_wire(with_binding=False) for r in snapshot])
-        self.check_memory(stage_index, device)
+        self.check_memory(stage_index)
         self.stage = self._new_stage(stage_index, device)
         self._set_state(PeerState.SYNCING)
         logger.info(f"chose stage {stage_index} of {self.spec.num_stages} (layers {list(self.spec.stage_layers[stage_index])})")
@@ -166,6 +170,8 @@ class Peer:
         self.ctx = PeerContext(config=config, role=self.role, peer_id=self.peer_id, dht=self.dht, p2p=self.p2p,
                                view=self.view, base_spec=self.base_spec, keeper=self.keeper, metrics=self.metrics,
                                reputation=self.reputation, faults=self.faults, tokens=self.data.tokens)
+        if "slow_device" in self.faults:
+            inject_slow_device(self)
         self.loader = StateLoader(self.p2p, self.view, peer_id=self.peer_id, config=config, keeper=self.keeper,
                                   metrics=self.metrics, reputation=self.reputation, traffic=TRAFFIC, links=self.ctx.links)
         await self.loader.load(self.stage, self.spec, seen=snapshot)
@@ -203,7 +209,12 @@ class Peer:
     # --- train: one session per stage, and the transitions between them -----------------------
 
     async def _train(self, stop: asyncio.Event) -> None:
-        """Serve the stage until ``stop`` (or ``--run-for``); move to another stage when told to."""
+        """Serve the stage until ``stop`` or ``--run-for`` (counted from here, across stages and standing
+        by: a session's own timer restarted at every move); move to another stage when told to."""
+        async with stop_or_after(stop, self.config.run_for) as leave:
+            await self._train_until(leave)
+
+    async def _train_until(self, stop: asyncio.Event) -> None:
         while True:
             session = self.session = StageSession(self.ctx, self.spec, self.stage, host=self)
             async with session:  # however the block ends, the session announces the leave and closes
@@ -217,11 +228,13 @@ class Peer:
                 started = time.monotonic()
                 announce_transition(transition, spec=self.spec, stage=self.stage.index, metrics=self.metrics)
                 kept = await session.close(announce=True, keep_state=isinstance(transition, LayoutChange))
-            self._checkpoint_progress = session.checkpoint_progress
+            self.checkpoint_progress = session.checkpoint_progress
             if isinstance(transition, LayoutChange):
                 await self._relayout(transition, kept, session.watch, started)
             else:
                 await self._switch_stage(transition)
+            if self.stage is None and not await self._leave_standby(stop):  # the global plan left it idle
+                return
 
     async def _switch_stage(self, transition: StageMove | Rescue) -> None:
         """The session closed as a leaving peer's would: obtain ``transition.to_stage``'s state."""
@@ -237,7 +250,7 @@ class Peer:
 
     async def _enter_stage(self, stage_index: int) -> None:
         """A new, empty stage replica to load state into (this peer syncing)."""
-        self.stage = self._new_stage(stage_index, self.stage.device)
+        self.stage = self._new_stage(stage_index, self.device)
         self._set_state(PeerState.SYNCING)
         await self.heartbeat()
 
@@ -252,13 +265,15 @@ class Peer:
                               request_timeout=self.config.request_timeout)
             await handoff.start()
             self._handoffs.append(handoff)
-        self.spec = new_spec
-        self.view.set_layout(new_spec.layout_version, new_spec.stage_layers)
-        self.keeper.spec, self.keeper.backup = new_spec, None  # the old layout's copy: served by the handoff
-        self._layout_map = change.layout_map
-        self._averaged = (0.0, "")  # the old stage's last round: nothing to compare with under the new layout
-        self.announced_at = dht_time()
-        self.check_memory(new_index, self.stage.device)
+        self.adopt_layout(change)
+        if new_index == STANDBY:  # the plan leaves this peer idle (peer.standby)
+            self.stage.shutdown()
+            self.stage = None
+            self._set_state(PeerState.STANDBY)
+            report_relayout(change, {}, from_stage=old_index, step=0, digest="", seconds=time.monotonic() - started,
+                            metrics=self.metrics)
+            return
+        self.check_memory(new_index)
         await self._enter_stage(new_index)
         await self.view.refresh()
         if self.view.members(new_index):
@@ -273,18 +288,46 @@ class Peer:
         report_relayout(change, provenance, from_stage=old_index, step=self.stage.version, digest=digest,
                         seconds=time.monotonic() - started, metrics=self.metrics)
 
+    def adopt_layout(self, change: LayoutChange) -> None:
+        """Train (or stand by) under ``change``'s layout from now on."""
+        if change.spec is not self.spec:  # the old layout's copy: served by the handoff (a rescue keeps its own)
+            self.keeper.spec, self.keeper.backup = change.spec, None
+        self.spec = change.spec
+        self.view.set_layout(self.spec.layout_version, self.spec.stage_layers)
+        self.layout_change = change
+        self.averaged_round = (0.0, "")  # the old stage's last round: nothing to compare with under the new layout
+        self.announced_at = dht_time()
+
+    async def _leave_standby(self, stop: asyncio.Event) -> bool:
+        """Stand by until a layout names a stage for this peer, then load it from its holders (False: stopped)."""
+        started_at = time.monotonic()
+        change = await stand_by(self, stop)
+        if change is None:
+            return False
+        started = time.monotonic()
+        self.adopt_layout(change)
+        self.check_memory(change.stage)
+        await self._enter_stage(change.stage)
+        source = await self.loader.load(self.stage, self.spec)
+        report_relayout(change, {"stage": source}, from_stage=STANDBY, step=self.stage.version, seconds=time.monotonic() - started,
+                        digest=await self.stage.run(self.stage.params_digest), metrics=self.metrics)
+        self.metrics.write("standby_end", stage=change.stage, seconds=started - started_at)
+        return True
+
     # --- leave --------------------------------------------------------------------------------
 
     async def _leave(self) -> None:
         """Release what outlives the sessions (a session closes itself). A peer that never served
         (it failed while joining or syncing) still says it leaves."""
-        if self.stage is not None and self.dht is not None and (self.session is None or self.session.stage is not self.stage):
+        standby, started = self.state is PeerState.STANDBY, time.monotonic()
+        if (self.stage is not None or standby) and self.dht is not None and (self.session is None or self.session.stage is not self.stage):
             self.leaving()
             try:
-                await asyncio.wait_for(self.heartbeat(), timeout=2.0)
+                await asyncio.wait_for(self.heartbeat(stage=STANDBY if standby else None), timeout=2.0)
             except Exception as e:
                 logger.debug(f"could not announce the leave: {e!r}")
-            self.stage.shutdown()
+            if self.stage is not None:
+                self.stage.shutdown()
         for handoff in self._handoffs:
             await handoff.shutdown()
         if self.status_protocol is not None:
@@ -295,6 +338,7 @@ class Peer:
             await self.view.shutdown()
         if self.node is not None:
             await self.node.shutdown()  # its services, then the DHT node
+        logger.info(f"left: {time.monotonic() - started:.1f} s to release the node")
         self.metrics.close()
 
     # --- what a session asks of the peer (peer.session.SessionHost) ----------------------------
@@ -312,11 +356,11 @@ class Peer:
         self._set_state(PeerState.LEAVING)
 
     def averaged(self, at: float, digest: str) -> None:
-        self._averaged = (at, digest)
+        self.averaged_round = (at, digest)
 
-    def check_memory(self, stage_index: int, device: torch.device | None = None) -> None:
+    def check_memory(self, stage_index: int) -> None:
         budget = stage_memory_budget(self.spec, stage_index, max_in_flight=self.config.max_in_flight, max_memory_mb=self.config.max_memory_mb,
-                                     device=device or self.stage.device, checkpoint_activations=self.config.activation_checkpointing)
+                                     device=self.device, checkpoint_activations=self.config.activation_checkpointing)
         self.memory_budget = self.memory_budget or budget  # before this peer held a stage: what it offers re-plans
 
     def toggle_pause(self) -> None:
@@ -336,65 +380,17 @@ class Peer:
                     if pause else "resumed")
 
     async def heartbeat(self, stage: int | None = None) -> None:
-        await declare_peer(self.dht, self.validator, self.config.run_id, self._record(stage), ttl=self.config.heartbeat_ttl)
+        await declare_peer(self.dht, self.validator, self.config.run_id, peer_record(self, stage), ttl=self.config.heartbeat_ttl)
 
     # --- what the peer shows: its DHT record and its snapshot ---------------------------------
 
-    def _record(self, stage: int | None = None) -> PeerRecord:
-        counters = self.stage.counters if self.stage else None
-        backup = self.keeper.backup if self.keeper else None
-        layout = self.spec is not None and self.spec.layout_version
-        return PeerRecord(
-            peer_id=self.peer_id, role=self.role, state=self.state.value,
-            stage=stage if stage is not None else self.stage.index, flops=self.flops,
-            samples_per_s=counters.samples_per_s if counters else 0.0, num_samples=counters.num_samples if counters else 0,
-            version=self.stage.version if self.stage else 0, announced_at=self.announced_at,
-            loss=counters.last_loss if counters else math.nan,
-            val_loss=self.session.val_loss if self.session is not None and not self.session.is_closed else math.nan,
-            backup_stage=backup.stage if backup else -1, backup_version=backup.version if backup else 0,
-            maddrs=self.maddrs, params_digest=self._averaged[1], averaged_at=self._averaged[0],
-            software_version=SOFTWARE_VERSION, bytes_sent=TRAFFIC.bytes_sent, bytes_received=TRAFFIC.bytes_received,
-            layout_version=self.spec.layout_version if self.spec else 0, memory_bytes=self.memory_budget,
-            pinned=self.config.stage >= 0,
-            stage_layers=self.spec.stage_layers if layout else (), layout_map=self._layout_map if layout else (),
-            links=self.ctx.links.summary() if self.ctx is not None else (), reachability=self.node.reach.kind)
-
     def _set_state(self, state: PeerState) -> None:
         self.state = state
-        self.snapshot = self._take_snapshot()  # the windows see a change of state at once
+        self.snapshot = peer_snapshot(self)  # the windows see a change of state at once
 
     async def _snapshot_loop(self) -> None:
         while True:
-            self.snapshot = self._take_snapshot()
+            self.snapshot = peer_snapshot(self)
             if self.history is not None:
                 self.history.record(sample_of(self.snapshot))
             await asyncio.sleep(SNAPSHOT_PERIOD)
-
-    def _take_snapshot(self) -> PeerSnapshot:
-        stage, session = self.stage, self.session if self.session is not None and not self.session.is_closed else None
-        counters = stage.counters if stage is not None else None
-        checkpoint = session.checkpoint_progress if session is not None else None
-        checkpoint = checkpoint or self._checkpoint_progress
-        sync = self.loader.progress if self.loader is not None else None
-        return PeerSnapshot(
-            time=time.time(), run_id=self.config.run_id, role=self.role, client_mode=bool(self.config.client_mode),
-            state=self.state, activity=self._activity(), peer_id=self.peer_id,
-            stage=stage.index if stage is not None else -1, num_stages=self.spec.num_stages if self.spec else None,
-            step=stage.version if stage is not None else 0,
-            num_samples=counters.num_samples if counters else 0,
-            num_microbatches=counters.num_microbatches if counters else 0,
-            loss=counters.last_loss if counters else math.nan,
-            val_loss=session.val_loss if session is not None else math.nan,
-            bytes_sent=TRAFFIC.bytes_sent, bytes_received=TRAFFIC.bytes_received,
-            uptime_s=time.monotonic() - self.started_at, flops=self.flops,
-            sync=sync.as_dict() if sync is not None else None,
-            checkpoint=checkpoint.as_dict() if checkpoint is not None else None,
-            bans=self.reputation.num_bans if self.reputation is not None else 0,
-            strikes=self.reputation.num_strikes if self.reputation is not None else 0,
-            services=session.counters() if session is not None else ServiceCounters(),
-        )
-
-    def _activity(self) -> str:
-        index = self.stage.index if self.stage is not None else -1
-        unheld = [k for k in range(self.spec.num_stages) if k != index and not self.view.members(k)] if self.view else []
-        return describe_activity(self.state, stage=index, joined=bool(self.peer_id), unheld=unheld)

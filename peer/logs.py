@@ -67,6 +67,70 @@ class _ResetStreamFilter(logging.Filter):
         return True
 
 
+class _MatchmakingRaceFilter(logging.Filter):
+    """hivemind 1.1.12's matchmaking can assemble a group as a leader while a request to join another
+    leader is still under way; that request then fails ``assert not self.assembled_group.done()``
+    and ``await_cancelled`` logs its traceback at ERROR. The round goes on with the group it has, or
+    fails with "could not find a group", which the averager reports in one line (seen on a loaded
+    2-core host in a 20 Mbit/s swarm, 2026-11-28). One line without the traceback; the traceback at
+    DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if (record.funcName == "await_cancelled" and isinstance(error, AssertionError)
+                and "Matchmaking." in record.getMessage() and not logging.getLogger().isEnabledFor(logging.DEBUG)):
+            _as_warning(record, "hivemind matchmaking: a join request overtaken by the group it was in (AssertionError)")
+        return True
+
+
+class _CollectedStreamTaskFilter(logging.Filter):
+    """When a peer's connection drops (a partner killed mid-stream), the p2p daemon closes the unix
+    socket of a stream hivemind's ``ControlClient._handler`` was still reading; asyncio then drops
+    its reference to the handler's task, the garbage collector collects it while it is pending, and
+    asyncio reports "Task was destroyed but it is pending!" for it and its helpers, and
+    "cannot reuse already awaited coroutine" for the stream's callback (seen on the CI host when a
+    last-stage replica was killed -9, 2026-11-29). Likewise "Task exception was never retrieved" for
+    a hivemind stream task whose other side reset the connection (a 20 Mbit/s swarm, 2026-11-29), and
+    for an all-reduce helper whose partner failed the round ("sent INTERNAL_ERROR", "sent 22 parts,
+    but we expected 47": the demo in a CI rehearsal, 2026-12-01), which gets a warning of its own.
+    The stream was already lost; the caller's side reports what it cost. One warning line; the full
+    report at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "asyncio" or logging.getLogger().isEnabledFor(logging.DEBUG):
+            return True
+        message = record.getMessage()
+        error = record.exc_info[1] if record.exc_info else None
+        collected = message.startswith("Task was destroyed but it is pending!") and "/hivemind/" in message
+        collected = collected or (message.startswith("Task exception was never retrieved") and "/hivemind/" in message
+                                  and isinstance(error, ConnectionError))
+        reused = (message.startswith("Unhandled exception in client_connected_cb") and isinstance(error, RuntimeError)
+                  and "cannot reuse already awaited coroutine" in str(error))
+        if (message.startswith("Task exception was never retrieved") and "/hivemind/averaging/" in message
+                and _is_allreduce_failure(error)):
+            # an all-reduce whose partner failed it: hivemind fails the round (our averager logs that
+            # round as failed) but leaves this helper's exception unretrieved
+            _as_warning(record, f"hivemind: a part of a failed averaging round: {error}")
+        elif collected or reused:
+            what = "a task" if collected else "a stream callback"
+            _as_warning(record, f"hivemind: {what} of a closed p2p daemon stream was collected (harmless)")
+        return True
+
+
+def _as_warning(record: logging.LogRecord, message: str) -> None:
+    """Rewrite ``record`` as one warning line saying ``message`` (no traceback)."""
+    record.msg, record.args = message, ()
+    record.levelno, record.levelname = logging.WARNING, "WARNING"
+    record.exc_info, record.exc_text = None, None
+
+
+def _is_allreduce_failure(error: BaseException | None) -> bool:
+    """Whether ``error`` is hivemind's ``AllreduceException`` (by name: importing hivemind here would
+    slow ``run_peer.py --help``, which imports this module before anything heavy)."""
+    return error is not None and any(
+        cls.__name__ == "AllreduceException" and cls.__module__.startswith("hivemind.") for cls in type(error).__mro__)
+
+
 def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> None:
     """Send our logs to stderr as ``time L [peer 3fa9c1 stage 1 step 40] message``.
 
@@ -77,6 +141,7 @@ def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> Non
     handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
     handler.addFilter(_PrefixFilter(prefix))
     handler.addFilter(_AveragerRaceFilter())
+    handler.addFilter(_CollectedStreamTaskFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -87,3 +152,6 @@ def configure_logging(level: str, prefix: Callable[[], str] = lambda: "") -> Non
     streams = logging.getLogger("hivemind.p2p.p2p_daemon")
     if not any(isinstance(f, _ResetStreamFilter) for f in streams.filters):
         streams.addFilter(_ResetStreamFilter())
+    tasks = logging.getLogger("hivemind.utils.asyncio")
+    if not any(isinstance(f, _MatchmakingRaceFilter) for f in tasks.filters):
+        tasks.addFilter(_MatchmakingRaceFilter())

@@ -63,7 +63,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dht.records import ModelSpec, RunSpec, even_stage_layers
+from dht.layouts import even_stage_layers
+from dht.records import ModelSpec, RunSpec
 from swarm.model import block_matmul_params, layer_num_params
 
 MIB = 2**20

@@ -174,9 +174,17 @@ def node_config(config: PeerConfig, *, identity: PeerIdentity | None = None, rea
                              client_mode=config.client_mode or (reach is not None and reach.kind == "unreachable"),
                              start_timeout=config.join_timeout, identity=identity,
                              relays=reach.relays if reach is not None and reach.kind == "relayed" else (),
-                             daemon_reachability=None if local else "private")
+                             daemon_reachability=None if local else "private", reuse_port=not dialled_at_own_address(reach))
     except ValueError as e:
         raise UserError(f"{e}; copy the bootstrap's address as run_bootstrap.py prints it.") from e
+
+
+def dialled_at_own_address(reach: Reach | None) -> bool:
+    """Whether others dial the node at its own address (a public host, a port forward, loopback), so
+    it may dial out from fresh ports (``dht.node``: no simultaneous opens); behind a NAT, relayed
+    or not, it dials from its listening port, as hole punching and a full cone's mapping need. The
+    probe (``reach`` None) keeps it too: its answers tell whether the NAT keeps that port."""
+    return reach is not None and reach.kind == "direct" and reach.forwarded_ip is None
 
 
 def as_client(config: PeerConfig) -> PeerConfig:

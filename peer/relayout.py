@@ -24,6 +24,11 @@ their computing capacity. Peers agree with no message beyond their heartbeats:
   peer says so in its metrics.
 
 A joiner trains under the newest layout among the working peers' records (``Peer._join``).
+
+The same machinery carries out a global plan (``peer.plan_adoption``): its proposer moves to the
+plan's layout (any number of stages, any split: it grows as well as shrinks) and its record carries
+who takes which stage (``layout_assignment``); a follower takes it from that record once its own
+view judged it (``LayoutWatch``'s ``judge``), to the stage the assignment names.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from hivemind.p2p import P2P
 
+from dht.layouts import STANDBY, Assignment, assigned_stage
 from dht.records import PeerRecord, RunSpec
 from dht.reputation import Reputation
 from peer.backup import (
@@ -59,7 +65,7 @@ from swarm.state_pieces import StatePiece, needed_sources
 from swarm.view import SwarmView
 
 __all__ = ["Handoff", "LayoutChange", "LayoutWatch", "adopted_layout", "gather_pieces", "joiner_layout",
-           "newest_layout_records", "replanned_layout", "wait_layout_change"]
+           "newest_layout_records", "records_under", "replanned_layout", "unheld_stages", "wait_layout_change"]
 
 logger = logging.getLogger(__name__)
 HANDOFF_GRACE = 90.0  # seconds a peer serves its old layout's state after it moved on
@@ -75,9 +81,12 @@ class LayoutChange:
         spec: the run spec under the new layout.
         layout_map: per old stage, its new index (-1: it vanished).
         stage: this peer's stage in the new layout.
-        reason: "replanned" (this peer computed it) or "adopted" (from ``proposer``'s record).
-        proposer: the peer whose record it came from (this peer's id when re-planned here).
+        reason: "replanned" (this peer computed it), "global_plan" (this peer's global plan,
+            ``peer.plan_adoption``), "adopted" (from ``proposer``'s record) or "standby_rescue" (a
+            peer standing by takes a stage nobody holds, same layout: ``peer.standby``).
+        proposer: the peer whose record it came from (this peer's id when computed here).
         unheld: the old stages this peer saw nobody hold.
+        assignment: a global plan's: the stage each planned peer takes (``dht.layouts``).
     """
 
     spec: RunSpec
@@ -86,6 +95,12 @@ class LayoutChange:
     reason: str
     proposer: str
     unheld: tuple[int, ...]
+    assignment: Assignment = ()
+
+    def record_fields(self, peer_id: str) -> dict:
+        """What the record of ``peer_id``, under this layout, says of how it came: the map, and the
+        assignment when ``peer_id`` proposed it (followers find their stage there)."""
+        return {"layout_map": self.layout_map, "layout_assignment": self.assignment if self.proposer == peer_id else ()}
 
 
 def layout_of(spec: RunSpec) -> Layout:
@@ -105,7 +120,8 @@ def record_layout(record: PeerRecord, base: RunSpec) -> Layout | None:
     return layout_of(spec)
 
 
-def _unheld(view: SwarmView, spec: RunSpec) -> tuple[int, ...]:
+def unheld_stages(view: SwarmView, spec: RunSpec) -> tuple[int, ...]:
+    """The stages of ``spec`` that no record of this view holds or loads."""
     held = {r.stage for r in view.records if r.state in MEMBER_STATES}
     return tuple(k for k in range(spec.num_stages) if k not in held)
 
@@ -121,33 +137,51 @@ def new_stage_of(old_spec: RunSpec, new_spec: RunSpec, layout_map: Sequence[int]
     return next(k for k, (s, e) in enumerate(new_spec.stage_layers) if s <= middle < e)
 
 
-def adopted_layout(view: SwarmView, spec: RunSpec, base: RunSpec, *, peer_id: str, stage: int) -> LayoutChange | None:
-    """The layout another peer moved to that this one must follow (``choose_layout``), or None."""
+def adopted_layout(view: SwarmView, spec: RunSpec, base: RunSpec, *, peer_id: str, stage: int,
+                   accepted: Callable[[PeerRecord], bool] = lambda record: False) -> LayoutChange | None:
+    """The layout another peer moved to that this one must follow (``choose_layout``), or None. A
+    global plan's (a record with a ``layout_assignment``) counts only if ``accepted`` says so; its
+    proposer may stand by itself. ``stage`` is ``STANDBY`` for a peer standing by (``peer.standby``):
+    a global plan's layout gives it the stage it names (or ``STANDBY`` again), any other layout its
+    thinnest stage."""
     current = layout_of(spec)
-    unheld = _unheld(view, spec)
+    unheld = unheld_stages(view, spec)
     alone = not any(r.peer_id != peer_id and r.state in MEMBER_STATES for r in view.records)
     by_layout: dict[Layout, PeerRecord] = {}
-    for record in sorted(view.all_records, key=lambda r: r.peer_id):
-        if record.peer_id == peer_id or record.state not in MEMBER_STATES:
+    planned: set[Layout] = set()  # the next version's layouts of global plans this peer follows
+    for record in sorted(view.all_records, key=lambda r: (not r.layout_assignment, r.peer_id)):  # proposers first
+        if record.peer_id == peer_id or not (record.state in MEMBER_STATES
+                                             or record.state == "standby" and record.layout_assignment):
             continue
         layout = record_layout(record, base)
         if layout is None or layout == current:
             continue
-        if (layout.version == current.version + 1 and not alone
+        if record.layout_assignment and layout.version == current.version + 1:
+            if not alone and not accepted(record):  # judge_proposal refuses one with a layout_map too
+                continue  # a global plan this peer's own view does not find worth following
+            planned.add(layout)
+        elif (layout.version == current.version + 1 and not alone
                 and not _follows_from(current, layout, record.layout_map, unheld)):
             continue  # a map that drops a stage this peer sees held (or is malformed): not from this swarm's view
         by_layout.setdefault(layout, record)
     if not by_layout:
         return None
-    chosen = choose_layout(current, list(by_layout), num_unheld=len(unheld), alone=alone)
+    chosen = choose_layout(current, list(by_layout), num_unheld=len(unheld), alone=alone, planned=planned)
     if chosen is None:
         return None
     proposer = by_layout[chosen]
     new_spec = base.with_layout(chosen.version, chosen.stage_layers)
-    if chosen.version == current.version and chosen.num_stages == current.num_stages:
+    own_layers = spec.stage_layers[stage] if stage != STANDBY else (0, 0)
+    if proposer.layout_assignment:  # a global plan's: the stage it names for this peer (STANDBY: none)
+        layout_map, new_stage = (), assigned_stage(proposer.layout_assignment, peer_id)
+        if new_stage is None or new_stage >= chosen.num_stages:  # not planned (it joined since): where it is needed
+            new_stage = _thinnest_stage(view, base, chosen, own_layers)
+    elif stage == STANDBY:  # a re-plan while this peer stood by: it is needed where fewest are
+        layout_map, new_stage = (), _thinnest_stage(view, base, chosen, own_layers)
+    elif chosen.version == current.version and chosen.num_stages == current.num_stages:
         layout_map, new_stage = tuple(range(current.num_stages)), stage  # a competing re-plan: same numbering
     elif chosen.version == current.version:  # one that kept a stage this peer's re-plan dropped
-        layout_map, new_stage = (), _thinnest_stage(view, base, chosen, spec.stage_layers[stage])
+        layout_map, new_stage = (), _thinnest_stage(view, base, chosen, own_layers)
     else:
         layout_map = proposer.layout_map if chosen.version == current.version + 1 else ()
         new_stage = new_stage_of(spec, new_spec, layout_map, stage)
@@ -160,8 +194,8 @@ def _thinnest_stage(view: SwarmView, base: RunSpec, layout: Layout, own_layers: 
     most layers with ``own_layers`` first among equals (a peer whose re-plan dropped a stage that was
     not lost joins the others' layout where it is needed)."""
     counts = [0] * layout.num_stages
-    for record in view.all_records:
-        if record.state in MEMBER_STATES and record_layout(record, base) == layout and 0 <= record.stage < layout.num_stages:
+    for record in records_under(view, base, layout):
+        if record.state in MEMBER_STATES and 0 <= record.stage < layout.num_stages:
             counts[record.stage] += 1
 
     def overlap(k: int) -> int:
@@ -190,14 +224,18 @@ def joiner_layout(view: SwarmView, base: RunSpec) -> RunSpec:
     return base.with_layout(best.version, best.stage_layers) if best.version else base
 
 
+def records_under(view: SwarmView, base: RunSpec, layout: Layout) -> list[PeerRecord]:
+    """The records of ``view`` (any layout's) whose peers train or stand by under ``layout``."""
+    return [r for r in view.all_records if record_layout(r, base) == layout]
+
+
 def newest_layout_records(view: SwarmView, base: RunSpec | None) -> tuple[RunSpec | None, list[PeerRecord]]:
     """What an observer (the bootstrap's status page) shows: the spec under the layout joiners would
     take (:func:`joiner_layout`) and the records of its peers."""
     if base is None:
         return None, list(view.all_records)
     spec = joiner_layout(view, base)
-    current = layout_of(spec)
-    return spec, [r for r in view.all_records if record_layout(r, base) == current]
+    return spec, records_under(view, base, layout_of(spec))
 
 
 def replanned_layout(
@@ -226,7 +264,7 @@ def replanned_layout(
     new_spec = spec.with_layout(spec.layout_version + 1, replan.stage_layers)
     layout_map = tuple(-1 if k is None else k for k in replan.stage_map)
     return LayoutChange(spec=new_spec, layout_map=layout_map, reason="replanned", proposer=peer_id,
-                        stage=new_stage_of(spec, new_spec, layout_map, stage), unheld=_unheld(view, spec))
+                        stage=new_stage_of(spec, new_spec, layout_map, stage), unheld=unheld_stages(view, spec))
 
 
 def offered_memory(record: PeerRecord, spec: RunSpec, *, max_in_flight: int) -> int:
@@ -244,22 +282,50 @@ class LayoutWatch:
     moved to (:func:`adopted_layout`), or one this peer re-plans itself (:func:`replanned_layout`, if
     ``replan_after`` > 0, its timer read from ``clock``, the one ``watch`` reads) once its view's reads
     complete and the lost stages' last holders do not answer ``is_answering`` (a ping): a holder
-    whose record went missing from this view is not dead. A test drives :meth:`check` with a fake clock."""
+    whose record went missing from this view is not dead. A global plan another peer moved to is
+    followed once ``judge`` (its record) returns "" (else the reason, logged once; each proposal is
+    judged once, and a refused one again each time this peer's layout has fewer members than at the
+    last judgement). A test drives :meth:`check` with a fake clock."""
 
     def __init__(
         self, view: SwarmView, spec: RunSpec, base: RunSpec, watch: RescueWatch, *, peer_id: str, stage: int,
         replan_after: float, is_answering: Callable[[str], Awaitable[bool]], max_in_flight: int,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, judge: Callable[[PeerRecord], Awaitable[str]] | None = None,
     ) -> None:
         self.view, self.spec, self.base, self.watch = view, spec, base, watch
         self.peer_id, self.stage, self.replan_after = peer_id, stage, replan_after
-        self.is_answering, self.max_in_flight, self.clock = is_answering, max_in_flight, clock
+        self.is_answering, self.max_in_flight, self.clock, self.judge = is_answering, max_in_flight, clock, judge
         self._skipped: set[int] = set()  # stages whose re-plan a ping called off (logged once)
         self._refused = ""  # the last reason a re-plan was impossible (logged once)
+        # global plans judged: proposal -> "" (follow) or why not, and how many members this peer's
+        # layout had then (a refusal is judged again once it has fewer: they left to follow it)
+        self._verdicts: dict[tuple, tuple[str, int]] = {}
+
+    async def _accepted(self) -> set[str]:
+        """The proposers of the next layout's global plans this peer follows."""
+        accepted = set()
+        staying = sum(r.state in MEMBER_STATES and not self.view.is_gone(r.peer_id) for r in self.view.records)
+        for record in self.view.all_records:
+            if (self.judge is None or not record.layout_assignment or record.peer_id == self.peer_id
+                    or record.layout_version != self.spec.layout_version + 1):
+                continue
+            key = (record.peer_id, record.layout_version, record.stage_layers, record.layout_assignment)
+            before, members = self._verdicts.get(key, (None, 0))
+            if before is None or (before and staying < members):
+                why = await self.judge(record)
+                self._verdicts[key] = (why, staying)
+                if why and why != before:
+                    logger.info(f"not following {record.peer_id[-6:]}'s global plan (layout v{record.layout_version} "
+                                f"{list(record.stage_layers)}): {why}")
+            if not self._verdicts[key][0]:
+                accepted.add(record.peer_id)
+        return accepted
 
     async def check(self) -> LayoutChange | None:
         """The layout this peer moves to now, if any."""
-        change = adopted_layout(self.view, self.spec, self.base, peer_id=self.peer_id, stage=self.stage)
+        accepted = await self._accepted()
+        change = adopted_layout(self.view, self.spec, self.base, peer_id=self.peer_id, stage=self.stage,
+                                accepted=lambda record: record.peer_id in accepted)
         if change is not None or self.replan_after <= 0 or self.view.complete_reads < MIN_COMPLETE_READS:
             return change
         try:
@@ -288,11 +354,12 @@ async def wait_layout_change(
     view: SwarmView, spec: RunSpec, base: RunSpec, watch: RescueWatch, *, peer_id: str, stage: int,
     replan_after: float, is_working: Callable[[], bool], is_answering: Callable[[str], Awaitable[bool]],
     max_in_flight: int, clock: Callable[[], float] = time.monotonic,
+    judge: Callable[[PeerRecord], Awaitable[str]] | None = None,
 ) -> LayoutChange:
     """Returns once this peer (training or paused, ``is_working``) moves to a new layout, looking every
     ``CHECK_PERIOD`` seconds (:class:`LayoutWatch` decides)."""
     layout_watch = LayoutWatch(view, spec, base, watch, peer_id=peer_id, stage=stage, replan_after=replan_after,
-                               is_answering=is_answering, max_in_flight=max_in_flight, clock=clock)
+                               is_answering=is_answering, max_in_flight=max_in_flight, clock=clock, judge=judge)
     while True:
         await asyncio.sleep(CHECK_PERIOD)
         if is_working() and (change := await layout_watch.check()) is not None:

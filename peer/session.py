@@ -9,7 +9,8 @@ next transition:
 - a :class:`~planner.stage_choice.StageMove` (``--rebalance-period``: moving this peer raises the
   swarm's bottleneck throughput by ``--rebalance-min-gain``),
 - a :class:`~planner.backup_plan.Rescue` (a stage lost its last holder and this peer is the one to take it),
-- a :class:`~peer.relayout.LayoutChange` (the swarm re-plans its layer split without a lost stage).
+- a :class:`~peer.relayout.LayoutChange` (the swarm re-plans its layer split without a lost stage,
+  or moves to a global plan: this peer's, ``peer.plan_adoption``, or one it follows).
 
 :meth:`StageSession.close` announces the leave, lets in-flight microbatches finish, writes the last
 checkpoint and shuts every service down in the reverse order of opening. ``async with`` closes it
@@ -23,10 +24,11 @@ import logging
 import math
 import os
 import random
+import time
 
 import torch
 
-from dht.records import RunSpec
+from dht.records import PeerRecord, RunSpec
 from dht.registry import dht_time
 from peer.backup import RescueWatch
 from peer.checkpoint import WriteProgress, checkpoint_path, save_checkpoint
@@ -34,12 +36,14 @@ from peer.context import PeerContext, SessionHost
 from peer.faults import inject_corrupt_shards, inject_wrong_outputs
 from peer.heartbeat import Heartbeat
 from peer.membership_events import MembershipEvents
+from peer.plan_adoption import judge_proposal, proposed_change, seconds_to_check, turn_members
 from peer.plan_watch import GlobalPlanWatch
 from peer.profiler import MIB
 from peer.rebalance import RebalanceWatch
 from peer.relayout import wait_layout_change
 from peer.status.snapshot import ServiceCounters
 from peer.transitions import Transition
+from planner.adoption import AdoptionConfig
 from planner.backup_plan import Rescue
 from planner.stage_choice import StageMove
 from replication.server import ReplicationServer
@@ -136,7 +140,8 @@ class StageSession:
             self.gradient_sync = GradientSync(ctx.p2p, ctx.view, stage, peer_id=ctx.peer_id,
                                               timeout=min(config.request_timeout, GRADIENT_SYNC_TIMEOUT),
                                               max_payload_bytes=max_payload, aggregation=config.aggregation,
-                                              on_event=self._on_stage_event)
+                                              on_event=self._on_stage_event,
+                                              links=ctx.links, striped=config.stripe_calls == "auto")
             await self.gradient_sync.start()
         self.replication = ReplicationServer(ctx.p2p, run_id=spec.namespace, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout,
@@ -180,7 +185,7 @@ class StageSession:
                       request_timeout=config.request_timeout, max_payload_bytes=max_payload,
                       rng=random.Random(f"{spec.seed}:{ctx.peer_id}"), sticky=replay,
                       max_attempts=3 if replay else 1, reputation=ctx.reputation, spot_checker=checker, clock=ctx.clock,
-                      links=ctx.links, codec=stage_boundary_codec(spec))
+                      links=ctx.links, codec=stage_boundary_codec(spec), striped=config.stripe_calls == "auto")
 
     def _new_trainer(self, replay: bool) -> Trainer:
         ctx, spec, config, stage = self.ctx, self.spec, self.ctx.config, self.stage
@@ -194,7 +199,7 @@ class StageSession:
                        stage_flops=[stage_flops_per_sample(spec, k) for k in range(spec.num_stages)])
 
     async def serve(self, stop: asyncio.Event) -> Transition | None:
-        """Train until ``stop`` is set (or ``--run-for`` passes); returns the transition a watch
+        """Train until ``stop`` is set (the peer sets it at ``--run-for`` too); returns the transition a watch
         named, or None. A task that fails raises here."""
         ctx, config, stop_tasks = self.ctx, self.ctx.config, self._stop
         self._spawn("heartbeat", self._heartbeat_loop())
@@ -209,11 +214,19 @@ class StageSession:
             self._spawn("checkpoint", self._checkpoint_loop())
         if config.backup_period > 0:
             self._spawn("backup", ctx.keeper.run(stop_tasks))
-        if config.global_plan_period > 0:
-            plans = GlobalPlanWatch(ctx.view, self.spec, period=config.global_plan_period,
-                                    max_in_flight=config.max_in_flight, metrics=ctx.metrics, clock=ctx.clock)
-            self._spawn("global-plan", plans.run(stop_tasks))
         watches = []
+        if config.global_plan_period > 0:  # the lowest rank: any other transition outranks a proposal
+            period = config.global_plan_period
+            plans = GlobalPlanWatch(ctx.view, self.spec, period=period, metrics=ctx.metrics,
+                                    max_in_flight=config.max_in_flight, clock=ctx.clock,
+                                    adoption=AdoptionConfig(min_gain=config.global_plan_min_gain),
+                                    next_check=lambda: seconds_to_check(turn_members(ctx.view, ctx.peer_id),
+                                                                        ctx.peer_id, dht_time(), period))
+            since = dht_time()  # this session serves the layout from now on
+            propose = None if config.stage >= 0 else lambda adoption: proposed_change(  # a pinned peer never moves
+                adoption, ctx.view, self.spec, ctx.base_spec, peer_id=ctx.peer_id, now=dht_time(),
+                period=period, layout_since=since)
+            watches.append(self._spawn("global-plan", plans.run(stop_tasks, propose=propose)))
         if config.rebalance_period > 0 and config.stage < 0:  # a peer pinned with --stage stays
             rebalance = RebalanceWatch(ctx.view, self.spec, peer_id=ctx.peer_id, period=config.rebalance_period,
                                        min_gain=config.rebalance_min_gain, on_check=self._rebalance_checked, clock=ctx.clock)
@@ -225,7 +238,8 @@ class StageSession:
         watches.append(self._spawn("layout", wait_layout_change(
             ctx.view, self.spec, ctx.base_spec, self.watch, peer_id=ctx.peer_id, stage=self.stage.index,
             replan_after=config.replan_after, is_working=self.host.is_working,
-            is_answering=self._answers_ping, max_in_flight=config.max_in_flight, clock=ctx.clock)))
+            is_answering=self._answers_ping, max_in_flight=config.max_in_flight, clock=ctx.clock,
+            judge=self._judge_plan)))
         await self._wait_stop(stop)
         stop_tasks.set()
         for watch in reversed(watches):  # a layout change outranks a rescue, a rescue a rebalance
@@ -233,13 +247,20 @@ class StageSession:
                 return watch.result()
         return None
 
+    async def _judge_plan(self, record: PeerRecord) -> str:
+        """Whether this peer follows the global plan ``record`` proposes ("" if so; ``peer.plan_adoption``)."""
+        return await asyncio.to_thread(judge_proposal, record, self.ctx.view, self.spec, self.ctx.base_spec,
+                                       max_in_flight=self.ctx.config.max_in_flight, pinned=self.ctx.config.stage >= 0)
+
     async def close(self, *, announce: bool, keep_state: bool = False) -> dict[str, torch.Tensor] | None:
         """Stop serving the stage: tell the neighbours (``announce``), let in-flight microbatches
         finish, write the last checkpoint, then shut the services down. With ``keep_state``, returns
         the stage's state as it is once the in-flight work is done."""
         self._closed = True
+        marks = [time.monotonic()]  # the phases' ends, for the closing line
         if announce and self._opened:
             await self._announce_leave()
+        marks.append(time.monotonic())
         self._stop.set()
         self.ctx.view.vouch = lambda peer_id: False
         for task in self._tasks:
@@ -249,6 +270,7 @@ class StageSession:
             await asyncio.wait(self._tasks, timeout=LEAVE_TIMEOUT)  # the trainer finishes its in-flight work
             for task in self._tasks:
                 task.cancel()
+        marks.append(time.monotonic())
         if self.ctx.config.checkpoint_dir and self._opened:
             try:  # the in-flight work is done: the state is whole
                 await self.write_checkpoint()
@@ -258,21 +280,31 @@ class StageSession:
         if keep_state:
             await self.stage.wait_step_done()
             kept = await self.stage.run(self.stage.state_tensors)
+        marks.append(time.monotonic())
         closers = [service.shutdown() for service in (self.replication, self.notices, self.router and self.router.spot_checker)
                    if service is not None]
         if self.server is not None:
             closers.append(self.server.stop(timeout=LEAVE_TIMEOUT))  # no request may reach a stage being shut down
         if self.gradient_sync is not None:
             closers.append(self.gradient_sync.stop())
-        for closer in closers:  # each removes its handlers from the p2p daemon: a stuck daemon must not hang a leave
-            try:
-                await asyncio.wait_for(closer, timeout=2 * LEAVE_TIMEOUT)
-            except asyncio.TimeoutError:
-                logger.warning(f"a service of stage {self.stage.index} did not shut down within {2 * LEAVE_TIMEOUT:.0f} s")
+        # each removes its handlers from the p2p daemon: a stuck daemon must not hang a leave, and the
+        # services close side by side, so a leave waits LEAVE_TIMEOUT at most for all of them
+        if closers:
+            done, pending = await asyncio.wait([asyncio.ensure_future(closer) for closer in closers], timeout=LEAVE_TIMEOUT)
+            for task in pending:
+                task.cancel()
+            if pending:
+                logger.warning(f"{len(pending)} service(s) of stage {self.stage.index} did not shut down within {LEAVE_TIMEOUT:.0f} s")
+            for task in done:
+                if task.exception() is not None:
+                    logger.warning(f"a service of stage {self.stage.index} failed to shut down: {task.exception()!r}")
         if self.averager is not None:
             self.averager.shutdown()
         self.stage.shutdown()
         self._tasks = []
+        marks.append(time.monotonic())
+        phases = ", ".join(f"{name} {b - a:.1f} s" for name, a, b in zip(("notices", "in-flight work", "checkpoint", "services"), marks, marks[1:]))
+        logger.info(f"closed stage {self.stage.index} in {marks[-1] - marks[0]:.1f} s ({phases})")
         return kept
 
     async def _announce_leave(self) -> None:
@@ -294,8 +326,7 @@ class StageSession:
 
     async def _wait_stop(self, stop: asyncio.Event) -> None:
         waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([waiter, *self._tasks], timeout=self.ctx.config.run_for or None,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         for task in done:
             if task is not waiter and task.exception() is not None:
@@ -357,6 +388,8 @@ class StageSession:
             sync = self.gradient_sync
             exchanges = {} if sync is None else {"exchanges": sync.num_exchanges, "exchanges_partial": sync.num_partial,
                                                  "exchanges_alone": sync.num_alone, "reconciled": sync.num_reconciled}
+            if self.router is not None:
+                exchanges["striped_calls"] = self.router.num_striped
             self.ctx.metrics.write("status", stage=self.stage.index, step=self.stage.version, loss=counters.last_loss,
                                    tokens_per_s=tokens_per_s, samples=counters.num_samples, peers_per_stage=per_stage,
                                    **exchanges)

@@ -100,11 +100,7 @@ class StateLoader:
         heartbeat late on a busy machine lets a live holder's record lapse for a moment (CI: a
         joiner pulled from one of two live holders). A holder that is really gone fails its probe. A
         holder whose record says nobody can dial it (a client of stage 0 behind a NAT) is no donor."""
-        holders = [r for r in self.view.members(stage.index) if r.peer_id != self.peer_id]
-        listed = {r.peer_id for r in holders} | {self.peer_id}
-        holders += [r for r in seen if r.stage == stage.index and r.state == "training"
-                    and r.peer_id not in listed and not self.view.is_gone(r.peer_id)]
-        holders = [r for r in holders if r.reachability != "unreachable"]
+        holders = self._live_holders(stage, seen)
         if not holders:
             return False
         self.progress = SyncProgress(total_bytes=stage_state_bytes(stage), traffic=self.traffic)
@@ -128,8 +124,9 @@ class StateLoader:
                 logger.info(f"the holders of stage {stage.index} disagree on its state; asking again shortly")
                 await asyncio.sleep(DISAGREEMENT_RETRY)
                 await self.view.refresh()
-                holders = [r for r in self.view.members(stage.index) if r.peer_id != self.peer_id
-                           and r.peer_id not in self.refused and r.reachability != "unreachable"] or holders
+                # the same patience with a lapsed record as above (CI: asked again, a joiner pulled from
+                # only one of two live holders because the other's heartbeat was late)
+                holders = self._live_holders(stage, [*seen, *holders]) or holders
             except TransferError as e:
                 if (retries := retries - 1) < 0:
                     raise
@@ -143,6 +140,16 @@ class StateLoader:
         await self._downloaded(stage, result)
         return True
 
+    def _live_holders(self, stage: Stage, seen: Sequence[PeerRecord]) -> list[PeerRecord]:
+        """The view's holders of ``stage`` plus those of ``seen`` it lacks and nobody said left; none
+        refused, none that nobody can dial."""
+        holders = [r for r in self.view.members(stage.index) if r.peer_id != self.peer_id]
+        listed = {r.peer_id for r in holders} | {self.peer_id}
+        lapsed = {r.peer_id: r for r in seen if r.stage == stage.index and r.state == "training"
+                  and r.peer_id not in listed and not self.view.is_gone(r.peer_id)}
+        return [r for r in holders + list(lapsed.values())
+                if r.reachability != "unreachable" and r.peer_id not in self.refused]
+
     async def _from_one_holder(self, stage: Stage, holders: list[PeerRecord]) -> PullResult:
         """Of the states ``holders`` serve each on its own, the one that moved least per step from the
         run seed (``swarm.plausibility.state_drift``), loaded: holders that still disagree after the
@@ -151,7 +158,7 @@ class StateLoader:
         Raises:
             TransferError: none served a plausible state.
         """
-        errors, candidates = [], []
+        errors, candidates, dropped = [], [], {}
         for holder in sorted(holders, key=lambda r: r.peer_id):
             try:
                 result = await pull_stage_state(self.p2p, stage, [holder], config=self.config,
@@ -161,12 +168,16 @@ class StateLoader:
             except ImplausibleStateError as e:
                 self._refuse(stage, [holder], e)
                 errors.append(str(e))
+                dropped[holder.peer_id] = str(e)
             except TransferError as e:
                 errors.append(f"{holder.peer_id[-6:]}: {e}")
+                dropped.update(e.report.failed_donors)
         if not candidates:
             raise TransferError(f"no holder of stage {stage.index} served a usable state alone: {'; '.join(errors)}",
                                 PullReport())
         drift, chosen, result = min(candidates)
+        for peer_id, why in dropped.items():  # the download's report names every holder dropped on the way
+            result.report.failed_donors.setdefault(peer_id, why)
         logger.warning(f"the holders of stage {stage.index} kept disagreeing: took {chosen[-6:]}'s state alone, the "
                        f"one that moved least from the run seed per step ({drift:.2f} of the AdamW bound; "
                        f"{len(candidates)} compared)")

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from dht.layouts import STANDBY
 from dht.records import RunSpec
 from dht.reputation import Reputation
 from peer.backup import RescueWatch, StageBackup
@@ -46,15 +47,17 @@ def announce_transition(transition: Transition, *, spec: RunSpec, stage: int, me
                       backup_version=rescue.backup_version)
     else:
         change, new = transition, transition.spec
+        to = (f"to stage {change.stage} {list(new.stage_layers[change.stage])}" if change.stage != STANDBY
+              else "to no stage: the plan leaves it idle, it stands by")
         logger.info(f"stage layout v{spec.layout_version} -> v{new.layout_version} ({change.reason}"
                     f"{'' if change.reason == 'replanned' else ' from ' + change.proposer[-6:]}): "
                     f"{new.num_stages} stages {list(new.stage_layers)}; this peer moves from stage "
-                    f"{stage} {list(spec.stage_layers[stage])} to stage {change.stage} "
-                    f"{list(new.stage_layers[change.stage])}")
+                    f"{stage} {list(spec.stage_layers[stage]) if stage != STANDBY else '(none)'} {to}")
         metrics.write("relayout_start", reason=change.reason, proposer=change.proposer,
                       from_version=spec.layout_version, version=new.layout_version,
                       stage_layers=[list(r) for r in new.stage_layers], layout_map=list(change.layout_map),
-                      from_stage=stage, stage=change.stage, unheld=list(change.unheld))
+                      from_stage=stage, stage=change.stage, unheld=list(change.unheld),
+                      assignment=[list(pair) for pair in change.assignment])
 
 
 async def compose_stage(p2p, change: LayoutChange, stage: Stage, *, old_spec: RunSpec, old_index: int,
@@ -88,8 +91,11 @@ def report_relayout(change: LayoutChange, provenance: dict[str, str], *, from_st
     reseeded = sorted(part for part, source in provenance.items() if source == "seed")
     if reseeded:
         logger.warning(f"no peer had {', '.join(reseeded)} of the lost stage: restarted from the run seed")
-    logger.info(f"now stage {new_index} of layout v{new_spec.layout_version}, built in {seconds:.2f} s from "
-                f"{', '.join(sorted(set(provenance.values())))}")
+    if new_index == STANDBY:
+        logger.info(f"now standing by under layout v{new_spec.layout_version}, holding no stage, until a plan names one")
+    else:
+        logger.info(f"now stage {new_index} of layout v{new_spec.layout_version}, built in {seconds:.2f} s from "
+                    f"{', '.join(sorted(set(provenance.values())))}")
     metrics.write("relayout", reason=change.reason, version=new_spec.layout_version, from_stage=from_stage,
                   stage=new_index, stage_layers=[list(r) for r in new_spec.stage_layers], provenance=provenance,
                   reseeded=reseeded, seconds=seconds, digest=digest, step=step)

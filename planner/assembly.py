@@ -38,12 +38,14 @@ def assign_server_roles(
     """Splits ``servers`` into (frontal, backward) device indices (seed 000 §3.3.3)."""
     if servers.size == 1:
         return [int(servers[0])], [int(servers[0])]
-    frontal: list[int] = []
-    backward: list[int] = []
-    for s in servers.tolist():
-        to_previous = edges[s, previous].mean() if previous is not None else np.inf
-        to_following = edges[s, following].mean() if following is not None else np.inf
-        (frontal if to_previous < to_following else backward).append(s)
+    # each server's mean delay to either side, every row at once (a loop of row means was a fifth of
+    # a 1,000-peer global plan's time)
+    far = np.full(servers.size, np.inf)
+    to_previous = edges[np.ix_(servers, previous)].mean(axis=1) if previous is not None else far
+    to_following = edges[np.ix_(servers, following)].mean(axis=1) if following is not None else far
+    closer_to_previous = (to_previous < to_following).tolist()
+    frontal: list[int] = [s for s, closer in zip(servers.tolist(), closer_to_previous) if closer]
+    backward: list[int] = [s for s, closer in zip(servers.tolist(), closer_to_previous) if not closer]
     if not frontal:
         slowest = min(backward, key=lambda s: (flops[s], s))
         backward.remove(slowest)

@@ -13,7 +13,9 @@ gets the same answer, so the keeper and the rescuer are agreed on with no messag
 peer id among the holders of the first held stage after ``k`` (wrapping around). Each held stage
 follows exactly one held stage in the ring, so a peer keeps at most one backup. A stage held by
 two or more peers needs none: its replicas are each other's backups (the averaging rounds keep
-them identical). A one-stage run has no other stage to keep a backup on.
+them identical). A stage no other stage's holder can keep (a one-stage layout) is kept by a peer
+standing by, if any (``standby``: the global plan left it idle, ``peer.standby``): the i-th such
+stage by the i-th of them in peer-id order, the one that takes that stage if it is lost.
 
 :func:`choose_rescues`. A stage nobody holds stops the whole pipeline. For each such stage, in
 index order, one peer moves there:
@@ -105,22 +107,26 @@ class Rescue:
         return "local-backup" if self.keeper_id == self.peer_id else "backup-donor"
 
 
-def assign_backups(num_stages: int, members: Sequence[StageMember]) -> dict[int, BackupDuty]:
-    """Stage → its backup duty, for every stage held by exactly one peer (see the module docstring).
+def assign_backups(num_stages: int, members: Sequence[StageMember], standby: Sequence[str] = ()) -> dict[int, BackupDuty]:
+    """Stage → its backup duty, for every stage held by exactly one peer that a holder of another
+    stage, or a peer of ``standby``, can keep (see the module docstring).
 
     Raises:
         ValueError: ``num_stages < 1``, a member outside the stages, or a peer listed twice.
     """
     holders = _holders_by_stage(num_stages, members)
+    spare = sorted(set(standby) - {m.peer_id for m in members})
+    spare_duties = 0  # the i-th stage kept on a peer standing by goes to the i-th of them
     duties: dict[int, BackupDuty] = {}
     for stage in range(num_stages):
         if len(holders[stage]) != 1:
             continue
-        for step in range(1, num_stages):
-            keepers = holders[(stage + step) % num_stages]
-            if keepers:
-                duties[stage] = BackupDuty(stage=stage, holder_id=holders[stage][0], keeper_id=keepers[0])
-                break
+        keepers = next((holders[(stage + step) % num_stages] for step in range(1, num_stages)
+                        if holders[(stage + step) % num_stages]), [])
+        if not keepers and spare:
+            keepers, spare_duties = [spare[spare_duties % len(spare)]], spare_duties + 1
+        if keepers:
+            duties[stage] = BackupDuty(stage=stage, holder_id=holders[stage][0], keeper_id=keepers[0])
     return duties
 
 

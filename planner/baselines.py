@@ -21,7 +21,7 @@ import numpy as np
 
 from planner.assembly import assemble_plan
 from planner.canonical import plan_canonically
-from planner.costs import estimate_throughput
+from planner.costs import estimate_group_costs, profile_group, throughput_of
 from planner.plan import Plan
 from planner.snapshot import SwarmSnapshot
 
@@ -34,9 +34,10 @@ def _even_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(int(b) for b in np.cumsum(sizes))
 
 
-def _to_plan(snapshot: SwarmSnapshot, groups: Groups, bounds: tuple[int, ...]) -> Plan:
+def _to_plan(snapshot: SwarmSnapshot, groups: Groups, bounds: tuple[int, ...], *,
+             edges: np.ndarray | None = None) -> Plan:
     arrays = [(np.array(sorted(s), dtype=np.int64), np.array(sorted(c), dtype=np.int64)) for s, c in groups]
-    return assemble_plan(snapshot, arrays, bounds)
+    return assemble_plan(snapshot, arrays, bounds, edges=edges)
 
 
 def _deal(snapshot: SwarmSnapshot, num_stages: int) -> Groups:
@@ -49,22 +50,48 @@ def _deal(snapshot: SwarmSnapshot, num_stages: int) -> Groups:
     return groups
 
 
-def plan_even(snapshot: SwarmSnapshot) -> Plan:
-    """GPipe even partition with the best stage count (see module docstring)."""
-    return plan_canonically(snapshot, _plan_even)
+def plan_even(snapshot: SwarmSnapshot, *, is_canonical: bool = False) -> Plan:
+    """GPipe even partition with the best stage count (see module docstring).
+
+    ``is_canonical``: ``snapshot`` is already canonical (``canonical.plan_canonically``).
+    """
+    return plan_canonically(snapshot, _plan_even, is_canonical=is_canonical)
 
 
 def _plan_even(snapshot: SwarmSnapshot) -> Plan:
+    """Scores every stage count's dealt groups with the cost model (``costs.estimate_group_costs``:
+    the plan's figures without building the Plan, whose server roles do not change them) and
+    assembles the best only. A count where a member cannot hold its stage's weights and optimizer
+    state is worth 0 under the model (``costs.is_within_memory``) and is not profiled: those are
+    the fewest stages, the largest groups."""
     num_reliable = len(snapshot.reliable_indices())
     if num_reliable == 0:
         raise ValueError("a plan needs at least one reliable device")
-    best_plan, best_throughput = None, -1.0
+    best, best_throughput = None, -1.0
     for num_stages in range(1, min(snapshot.model.num_layers, num_reliable) + 1):
-        plan = _to_plan(snapshot, _deal(snapshot, num_stages), _even_bounds(snapshot.model.num_layers, num_stages))
-        throughput = estimate_throughput(snapshot, plan)
+        groups, bounds = _deal(snapshot, num_stages), _even_bounds(snapshot.model.num_layers, num_stages)
+        if _fits(snapshot, groups, bounds):
+            profiles = [
+                profile_group(snapshot, np.array(s, dtype=np.int64), np.array(c, dtype=np.int64)) for s, c in groups
+            ]
+            throughput = throughput_of(snapshot, estimate_group_costs(snapshot, profiles, (0,) + bounds))
+        else:
+            throughput = 0.0
         if throughput > best_throughput:
-            best_plan, best_throughput = plan, throughput
-    return best_plan
+            best, best_throughput = (groups, bounds), throughput
+    return _to_plan(snapshot, *best)
+
+
+def _fits(snapshot: SwarmSnapshot, groups: Groups, bounds: tuple[int, ...]) -> bool:
+    """True when every member holds its stage's weights and optimizer state: the memory test of
+    ``costs.estimate_group_costs``, summed the same way, without the profiles."""
+    model = snapshot.model
+    factor = 1.0 + model.optimizer_bytes_per_param_byte
+    for (servers, clients), start, end in zip(groups, (0,) + bounds[:-1], bounds):
+        members = np.array(servers + clients, dtype=np.int64)
+        if not np.all(snapshot.memory_bytes[members] >= sum(model.layer_param_bytes[start:end]) * factor):
+            return False
+    return True
 
 
 def count_min_stages(snapshot: SwarmSnapshot) -> int:
@@ -80,9 +107,10 @@ def count_min_stages(snapshot: SwarmSnapshot) -> int:
     return model.num_layers
 
 
-def plan_petals(snapshot: SwarmSnapshot) -> Plan:
-    """Petals' weakest-block choice over even stages (see module docstring)."""
-    return plan_canonically(snapshot, _plan_petals)
+def plan_petals(snapshot: SwarmSnapshot, *, is_canonical: bool = False) -> Plan:
+    """Petals' weakest-block choice over even stages (see module docstring); ``is_canonical`` as
+    in ``plan_even``."""
+    return plan_canonically(snapshot, _plan_petals, is_canonical=is_canonical)
 
 
 def _plan_petals(snapshot: SwarmSnapshot) -> Plan:
@@ -102,9 +130,12 @@ def _plan_petals(snapshot: SwarmSnapshot) -> Plan:
     return _to_plan(snapshot, groups, _even_bounds(snapshot.model.num_layers, num_stages))
 
 
-def plan_swarm(snapshot: SwarmSnapshot, *, max_moves: int = 1000) -> Plan:
-    """SWARM-style rebalancing from the even partition (see module docstring)."""
-    return plan_canonically(snapshot, lambda canonical: _plan_swarm(canonical, max_moves=max_moves))
+def plan_swarm(snapshot: SwarmSnapshot, *, max_moves: int = 1000, is_canonical: bool = False) -> Plan:
+    """SWARM-style rebalancing from the even partition (see module docstring); ``is_canonical`` as
+    in ``plan_even``."""
+    return plan_canonically(
+        snapshot, lambda canonical: _plan_swarm(canonical, max_moves=max_moves), is_canonical=is_canonical
+    )
 
 
 def _plan_swarm(snapshot: SwarmSnapshot, *, max_moves: int) -> Plan:

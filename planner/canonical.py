@@ -31,11 +31,15 @@ _MIX_2 = np.uint64(0x94D049BB133111EB)
 
 
 def _mix(values: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic), in place on one new
+    array (the swarm's n x n edge labels are mixed several times per colouring)."""
     z = values + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _MIX_1
-    z = (z ^ (z >> np.uint64(27))) * _MIX_2
-    return z ^ (z >> np.uint64(31))
+    z ^= z >> np.uint64(30)
+    z *= _MIX_1
+    z ^= z >> np.uint64(27)
+    z *= _MIX_2
+    z ^= z >> np.uint64(31)
+    return z
 
 
 def _bits(values: np.ndarray) -> np.ndarray:
@@ -55,10 +59,10 @@ def colour_devices(snapshot: SwarmSnapshot, *, num_rounds: int = NUM_ROUNDS) -> 
         edge = _mix(edge ^ _bits(np.where(np.isfinite(links.bandwidth), links.bandwidth, 0.0)))
         edge = _mix(edge ^ _bits(links.latency_delay.T))
         edge = _mix(edge ^ _bits(np.where(np.isfinite(links.bandwidth.T), links.bandwidth.T, 0.0)))
-        off_diagonal = ~np.eye(snapshot.num_devices, dtype=bool)
         for _ in range(num_rounds):
             contribution = _mix(edge ^ colour[None, :])
-            neighbours = np.where(off_diagonal, contribution, np.uint64(0)).sum(axis=1, dtype=np.uint64)
+            # the sum wraps modulo 2^64, so removing the diagonal after summing is exact
+            neighbours = contribution.sum(axis=1, dtype=np.uint64) - np.diagonal(contribution)
             colour = _mix(colour ^ _mix(neighbours))
     return colour
 
@@ -91,8 +95,18 @@ def rename_plan(plan: Plan, names: dict[str, str]) -> Plan:
     ))
 
 
-def plan_canonically(snapshot: SwarmSnapshot, planner: Callable[[SwarmSnapshot], Plan]) -> Plan:
-    """Runs ``planner(canonical snapshot) -> Plan`` and maps its plan back to the real peer ids."""
+def plan_canonically(
+    snapshot: SwarmSnapshot, planner: Callable[[SwarmSnapshot], Plan], *, is_canonical: bool = False
+) -> Plan:
+    """Runs ``planner(canonical snapshot) -> Plan`` and maps its plan back to the real peer ids.
+
+    ``is_canonical`` says ``snapshot`` is already a canonical snapshot (``canonicalize``'s first
+    result, as a planner running inside ``plan_canonically`` holds): its colours are those of the
+    devices it was made from, already in order, so its canonical form is itself with every name
+    its own, and the colouring (O(n^2) per call) is skipped.
+    """
+    if is_canonical:
+        return planner(snapshot)
     canonical, names = canonicalize(snapshot)
     plan = planner(canonical)
     return rename_plan(plan, {device.peer_id: name for device, name in zip(canonical.devices, names)})

@@ -39,7 +39,11 @@ the background, only optimizer steps pause) the round takes ``u_k = min(AT_k / P
 stage's links (a flow gets at least half of a shared link). A round longer than its period holds
 the stage's optimizer for the excess, which we charge as blocking time once per step: a floor of
 ``max(0, AT_k - P) / d`` per micro-batch. With ``P = 0`` (seed 000: every step, blocking) that is
-seed 000's floor ``AT_k / d``: a step lasts at least the round.
+seed 000's floor ``AT_k / d``: a step lasts at least the round. ``P = 0`` is also how the live peer
+describes its default gradient exchange (``replica_sync`` "gradients"), in which every replica sends
+its whole sum to every co-replica rather than a butterfly's share, so there
+``AT_k = W_k max_i sum_{j in S_k} 1 / beta_ij``, ``|S_k| / 2`` times the butterfly's
+(``round_per_byte``; the same for two replicas; until 2026-12-01 the butterfly was charged).
 
 Throughput. The stage terms are resources working in parallel, so the pipeline's service time per
 micro-batch is their maximum; the window bounds it by Little's law with the round trip ``R`` of
@@ -50,6 +54,16 @@ takes ``n`` times what the boundary's ``n`` streams take per micro-batch)::
     term_k = max(DT_k, L_k, floor_k)
     R = sum_k (m F_k / mean_{i in S_k} c_i) + sum_k (alpha_kf + alpha_kb + n_k (L_k^f + L_k^b))
     throughput = m / max(max_k term_k, R / W)     samples per second; 0 when the plan does not fit
+
+Flush (``RuntimeSettings.is_flushing``, the runtime's default schedule). A step's ``d``
+micro-batches drain before the step ends, and the replicas' round follows the drain instead of
+overlapping the next step. The first micro-batch takes ``R``, each further one the bottleneck, and
+the window admits ``W`` at a time; the slowest stage's round ``X = max_k max(0, AT_k - P)`` comes
+after (the averaging floors are then 0: the round is charged here, once)::
+
+    seconds per micro-batch = (max((d - 1) max_k term_k + R, ceil(d / W) R) + X) / d
+
+The simulator's ``SimulationConfig.murmuration(is_flushing=True)`` runs the same schedule.
 
 Until 2026-11-27 ``R`` divided the transfers by ``n`` too, as if each micro-batch were cut over the
 stage's servers (seed 000's runtime): with many replicas per stage that made the window bound
@@ -63,6 +77,7 @@ the work evenly (``approximate_pipeline_delay``, used by the clustering's stop r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,8 +100,9 @@ class StageGroup:
         memory_bytes: memory of servers then clients.
         offset_delays: fixed per-micro-batch delay of each device (0 for servers, 4 alpha_iS).
         inverse_bandwidths: 2 r / beta_iS per device (0 for servers), compression included.
-        averaging_per_byte: seconds per parameter byte of one averaging round,
-            ``2 max_i mean_{j in S} 1 / beta_ij`` over members i (0 for a lone device).
+        averaging_per_byte: seconds per parameter byte of one averaging round (``round_per_byte``:
+            ``2 max_i mean_{j in S} 1 / beta_ij`` over members i for periodic rounds, ``max_i sum_j``
+            for the gradient exchange every step; 0 for a lone device).
     """
 
     servers: np.ndarray
@@ -112,22 +128,33 @@ def profile_group(snapshot: SwarmSnapshot, servers: np.ndarray, clients: np.ndar
     members = np.concatenate([servers, clients])
     offsets = np.zeros(members.size)
     inverse = np.zeros(members.size)
+    links = snapshot.links
     if clients.size:
-        latency = snapshot.links.latency_delay
-        bandwidth = snapshot.links.bandwidth
-        alpha = (latency[np.ix_(clients, servers)] + latency[np.ix_(servers, clients)].T) / 2
-        per_byte = (1.0 / bandwidth[np.ix_(clients, servers)] + 1.0 / bandwidth[np.ix_(servers, clients)].T) / 2
-        offsets[servers.size:] = 4.0 * alpha.mean(axis=1)
+        between = np.ix_(clients, servers)
+        offsets[servers.size:] = 4.0 * links.mean_latency[between].mean(axis=1)
         ratio = snapshot.runtime.boundary_compression_ratio
-        inverse[servers.size:] = 2.0 * ratio * per_byte.mean(axis=1)
+        inverse[servers.size:] = 2.0 * ratio * links.mean_inverse_bandwidth[between].mean(axis=1)
     averaging = 0.0
     if members.size > 1:
-        averaging = 2.0 * float((1.0 / snapshot.links.bandwidth[np.ix_(members, servers)]).mean(axis=1).max())
+        averaging = round_per_byte(float(links.inverse_bandwidth[np.ix_(members, servers)].sum(axis=1).max()),
+                                   servers.size, snapshot.runtime.averaging_period)
     return StageGroup(
         servers=servers, clients=clients, flops=snapshot.flops[members],
         memory_bytes=snapshot.memory_bytes[members], offset_delays=offsets,
         inverse_bandwidths=inverse, averaging_per_byte=averaging,
     )
+
+
+def round_per_byte(max_row_sum: float, num_servers: int, averaging_period: float) -> float:
+    """Seconds per parameter byte of a stage's round, from ``max_i sum_{j in S} 1 / beta_ij`` over its
+    members ``i`` (``beta_ii`` infinite). Every step (``averaging_period`` 0) it is the runtime's
+    gradient exchange, in which each replica sends its whole sum to every co-replica
+    (``swarm.gradient_sync``): that sum, ``n / 2`` times a butterfly's at ``n`` replicas. Periodic rounds
+    are hivemind's butterfly all-reduce, in which each member ships ``W / |S|`` to each server and gets
+    as much back: ``2 max_i mean_j 1 / beta_ij``."""
+    if averaging_period == 0:
+        return max_row_sum
+    return 2.0 * max_row_sum / max(num_servers, 1)
 
 
 def fill_workload(
@@ -175,39 +202,55 @@ def fill_workloads(
     """``fill_workload`` for many problems at once: rows of ``per_sample_delays`` and ``caps``.
 
     All rows share the offsets, so one sort serves every row; clamping at the caps repeats until
-    no row exceeds a cap (rarely more than a few passes). Returns the finish time of each row.
+    no row exceeds a cap (rarely more than a few passes). Each pass works on the rows still
+    pending only: every row's arithmetic is its own, so a row's result does not depend on which
+    other rows share the pass, and a swarm-sized group's later passes touch a few rows, not all.
+    Returns the finish time of each row.
     """
-    num_rows, _ = per_sample_delays.shape
     order = np.argsort(offset_delays, kind="stable")
     a = offset_delays[order]
     inverse_b = 1.0 / per_sample_delays[:, order]
     caps = caps[:, order]
     active = caps > 0
     fixed = np.zeros_like(inverse_b)
-    remaining = np.full(num_rows, float(num_samples))
-    next_offsets = np.append(a[1:], np.inf)
+    remaining = np.full(inverse_b.shape[0], float(num_samples))
     shares = np.zeros_like(inverse_b)
-    pending = np.ones(num_rows, dtype=bool)
+    rows = np.arange(inverse_b.shape[0])
     with np.errstate(divide="ignore", invalid="ignore"):
-        while np.any(pending):
-            weight = np.where(active, inverse_b, 0.0)
-            levels = (remaining[:, None] + np.cumsum(weight * a, axis=1)) / np.cumsum(weight, axis=1)
-            stop = np.argmax(levels <= next_offsets[None, :], axis=1)
-            level = levels[np.arange(num_rows), stop]
-            trial = np.where(active, np.maximum(level[:, None] - a[None, :], 0.0) * inverse_b, 0.0)
-            over = active & (trial > caps) & pending[:, None]
-            done = pending & ~np.any(over, axis=1)
-            shares[done] = fixed[done] + trial[done]
-            fixed[over] = caps[over]
-            remaining -= np.where(over, caps, 0.0).sum(axis=1)
-            active &= ~over
-            pending &= ~done
-            starved = pending & ~np.any(active, axis=1)
-            shares[starved] = np.nan
-            pending &= ~starved
+        while rows.size:
+            rows = _fill_pass(a, inverse_b, caps, active, fixed, remaining, shares, rows)
     finish = np.where(shares > 0, a[None, :] + shares / inverse_b, 0.0).max(axis=1)
     infeasible = np.isnan(shares).any(axis=1) | (shares.sum(axis=1) < num_samples * (1 - 1e-9))
     return np.where(infeasible, np.inf, finish)
+
+
+def _fill_pass(
+    a: np.ndarray, inverse_b: np.ndarray, caps: np.ndarray, active: np.ndarray, fixed: np.ndarray,
+    remaining: np.ndarray, shares: np.ndarray, rows: np.ndarray,
+) -> np.ndarray:
+    """One water-filling pass of ``fill_workloads`` over the pending ``rows`` (offsets sorted).
+
+    Fills every pending row to its level; a row that exceeds no cap is done (its shares written),
+    the devices of the others that exceed their caps are clamped there and leave ``active``, and
+    a row left with no active device is infeasible (NaN shares). Updates the arrays in place and
+    returns the rows still pending.
+    """
+    live, inverse, cap = active[rows], inverse_b[rows], caps[rows]
+    weight = np.where(live, inverse, 0.0)
+    levels = (remaining[rows][:, None] + np.cumsum(weight * a, axis=1)) / np.cumsum(weight, axis=1)
+    stop = np.argmax(levels <= np.append(a[1:], np.inf)[None, :], axis=1)
+    level = levels[np.arange(rows.size), stop]
+    trial = np.where(live, np.maximum(level[:, None] - a[None, :], 0.0) * inverse, 0.0)
+    over = live & (trial > cap)
+    done = ~np.any(over, axis=1)
+    shares[rows[done]] = fixed[rows[done]] + trial[done]
+    fixed[rows] = np.where(over, cap, fixed[rows])
+    remaining[rows] -= np.where(over, cap, 0.0).sum(axis=1)
+    live &= ~over
+    active[rows] = live
+    starved = ~done & ~np.any(live, axis=1)
+    shares[rows[starved]] = np.nan
+    return rows[~done & ~starved]
 
 
 def estimate_stage_delay(
@@ -237,9 +280,26 @@ def estimate_stage_delay(
 def estimate_averaging_floor(
     model: ModelProfile, group: StageGroup, layer_start: int, layer_end: int, *, runtime: RuntimeSettings
 ) -> float:
-    """Blocking averaging per micro-batch, ``max(0, AT_k - P) / d`` (module doc)."""
+    """Blocking averaging per micro-batch, ``max(0, AT_k - P) / d`` (module doc); 0 under the flush
+    schedule, whose round follows the drain (``estimate_exchange``)."""
+    if runtime.is_flushing:
+        return 0.0
+    return _round_excess(model, group, layer_start, layer_end, runtime) / model.num_microbatches
+
+
+def estimate_exchange(
+    model: ModelProfile, group: StageGroup, layer_start: int, layer_end: int, *, runtime: RuntimeSettings
+) -> float:
+    """The part of a stage's round that holds a flushed step, ``max(0, AT_k - P)`` seconds (module
+    doc, "Flush"); 0 when steps overlap (the round's share is then ``estimate_averaging_floor``)."""
+    return _round_excess(model, group, layer_start, layer_end, runtime) if runtime.is_flushing else 0.0
+
+
+def _round_excess(model: ModelProfile, group: StageGroup, layer_start: int, layer_end: int,
+                  runtime: RuntimeSettings) -> float:
+    """``max(0, AT_k - P)``: how long a stage's round outlasts its period."""
     weight_bytes = sum(model.layer_param_bytes[layer_start:layer_end])
-    return max(0.0, weight_bytes * group.averaging_per_byte - runtime.averaging_period) / model.num_microbatches
+    return max(0.0, weight_bytes * group.averaging_per_byte - runtime.averaging_period)
 
 
 def estimate_averaging_share(
@@ -283,14 +343,14 @@ class LinkTerms:
 def estimate_link_terms(snapshot: SwarmSnapshot, senders: np.ndarray, receivers: np.ndarray) -> LinkTerms:
     """``LinkTerms`` of the link from server group ``senders`` to ``receivers`` (module doc)."""
     latency = snapshot.links.latency_delay
-    bandwidth = snapshot.links.bandwidth
+    inverse = snapshot.links.inverse_bandwidth
     streams = min(senders.size, receivers.size)
     scale = snapshot.runtime.boundary_compression_ratio / streams
     forward, backward = np.ix_(senders, receivers), np.ix_(receivers, senders)
     return LinkTerms(
         round_trip_latency=float(latency[forward].mean() + latency[backward].mean()),
-        forward_per_byte=float((1.0 / bandwidth[forward]).mean()) * scale,
-        backward_per_byte=float((1.0 / bandwidth[backward]).mean()) * scale,
+        forward_per_byte=float(inverse[forward].mean()) * scale,
+        backward_per_byte=float(inverse[backward].mean()) * scale,
         num_streams=int(streams),
     )
 
@@ -298,6 +358,11 @@ def estimate_link_terms(snapshot: SwarmSnapshot, senders: np.ndarray, receivers:
 def count_inflight(runtime: RuntimeSettings, num_first_servers: int) -> int:
     """Micro-batches in the pipeline at once, ``W``: each stage-0 server keeps its own window."""
     return runtime.max_in_flight_per_peer * max(num_first_servers, 1)
+
+
+def count_flushed(runtime: RuntimeSettings, model: ModelProfile) -> int:
+    """Micro-batches a step drains under the flush schedule, ``d``; 0 while steps overlap."""
+    return model.num_microbatches if runtime.is_flushing else 0
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -315,13 +380,29 @@ class PlanCosts:
     round_trip: float
     window: int
     is_within_memory: bool
+    exchange: float = 0.0
+    num_flushed: int = 0
 
     @property
     def seconds_per_microbatch(self) -> float:
-        """``max(max_k term_k, R / W)``; inf when the plan does not fit."""
+        """``max(max_k term_k, R / W)``, or the flushed step's share (``seconds_per_microbatch``);
+        inf when the plan does not fit."""
         if not self.is_within_memory:
             return float("inf")
-        return max(float(self.stage_terms.max()), self.round_trip / self.window)
+        return seconds_per_microbatch(float(self.stage_terms.max()), self.round_trip, self.window,
+                                      exchange=self.exchange, num_flushed=self.num_flushed)
+
+
+def seconds_per_microbatch(bottleneck: float, round_trip: float, window: int, *, exchange: float = 0.0,
+                           num_flushed: int = 0) -> float:
+    """The pipeline's seconds per micro-batch (module doc): ``max(b, R / W)`` while steps overlap
+    (``num_flushed`` 0); under the flush schedule, steps of ``num_flushed`` micro-batches that each
+    drain and then wait ``exchange`` seconds for the round: ``(max((d - 1) b + R, ceil(d / W) R) + X) / d``."""
+    if num_flushed <= 0:
+        return max(bottleneck, round_trip / window)
+    d = num_flushed
+    drained = max((d - 1) * bottleneck + round_trip, math.ceil(d / window) * round_trip)
+    return (drained + exchange) / d
 
 
 def profile_stages(snapshot: SwarmSnapshot, plan: Plan) -> list[StageGroup]:
@@ -334,27 +415,36 @@ def profile_stages(snapshot: SwarmSnapshot, plan: Plan) -> list[StageGroup]:
 
 def estimate_plan_costs(snapshot: SwarmSnapshot, plan: Plan) -> PlanCosts:
     """Every figure of the cost model for ``plan`` (module doc)."""
+    bounds = (0,) + tuple(stage.layer_end for stage in plan.stages)
+    return estimate_group_costs(snapshot, profile_stages(snapshot, plan), bounds)
+
+
+def estimate_group_costs(snapshot: SwarmSnapshot, groups: list[StageGroup], bounds: tuple[int, ...]) -> PlanCosts:
+    """``estimate_plan_costs`` of the stages ``groups`` holding layers ``[bounds[k], bounds[k + 1])``:
+    the figures need the members and layers only, so a planner that scores many layouts need not
+    build a Plan (its server roles) for each."""
     model, runtime = snapshot.model, snapshot.runtime
-    groups = profile_stages(snapshot, plan)
     window = count_inflight(runtime, groups[0].num_servers)
-    terms = np.zeros(plan.num_stages)
-    round_trip = 0.0
+    terms = np.zeros(len(groups))
+    round_trip = exchange = 0.0
     fits = True
-    for k, (stage, group) in enumerate(zip(plan.stages, groups)):
-        a, b = stage.layer_start, stage.layer_end
+    for k, group in enumerate(groups):
+        a, b = bounds[k], bounds[k + 1]
         weight_bytes = sum(model.layer_param_bytes[a:b]) * (1.0 + model.optimizer_bytes_per_param_byte)
         fits &= bool(np.all(group.memory_bytes >= weight_bytes))
         delay, _ = estimate_stage_delay(model, group, a, b, num_inflight=window)
         terms[k] = max(delay, estimate_averaging_floor(model, group, a, b, runtime=runtime))
+        exchange = max(exchange, estimate_exchange(model, group, a, b, runtime=runtime))
         round_trip += model.microbatch_size * sum(model.layer_flops[a:b]) / float(group.flops[: group.num_servers].mean())
-        if k + 1 < plan.num_stages:
+        if k + 1 < len(groups):
             link = estimate_link_terms(snapshot, group.servers, groups[k + 1].servers)
             slowdown = 1.0 / (1.0 - estimate_averaging_share(model, group, a, b, runtime=runtime))
             num_bytes = model.microbatch_size * model.layer_activation_bytes[b - 1] * slowdown
             terms[k] = max(terms[k], link.bottleneck_per_byte * num_bytes)
             round_trip += link.round_trip_latency + link.round_trip_per_byte * num_bytes
     fits &= bool(np.all(np.isfinite(terms)))
-    return PlanCosts(stage_terms=terms, round_trip=round_trip, window=window, is_within_memory=fits)
+    return PlanCosts(stage_terms=terms, round_trip=round_trip, window=window, is_within_memory=fits,
+                     exchange=exchange, num_flushed=count_flushed(runtime, model))
 
 
 def estimate_stage_costs(snapshot: SwarmSnapshot, plan: Plan) -> np.ndarray:
@@ -372,7 +462,12 @@ def is_within_memory(snapshot: SwarmSnapshot, plan: Plan) -> bool:
 def estimate_throughput(snapshot: SwarmSnapshot, plan: Plan) -> float:
     """Samples per second of ``plan`` under the cost model (module doc); 0 when it does not fit."""
     plan.check_fits(snapshot)
-    seconds = estimate_plan_costs(snapshot, plan).seconds_per_microbatch
+    return throughput_of(snapshot, estimate_plan_costs(snapshot, plan))
+
+
+def throughput_of(snapshot: SwarmSnapshot, costs: PlanCosts) -> float:
+    """Samples per second of a layout with figures ``costs`` (``estimate_throughput``)."""
+    seconds = costs.seconds_per_microbatch
     if not np.isfinite(seconds):
         return 0.0
     if seconds <= 0:

@@ -4,8 +4,9 @@ An arrangement fixes which devices serve and work for each stage, in pipeline or
 seconds per micro-batch of the best layer split (``layer_split``, exact for the bottleneck term),
 with the window bound ``R / W`` of that split applied on top, exactly as ``estimate_throughput``
 scores the resulting plan. Search procedures score thousands of arrangements that share most
-groups, so the stage delay matrix of each distinct ``(servers, clients, window)`` and the link
-terms of each distinct server pair are computed once and memoised.
+groups, so the profile (``costs.StageGroup``) and stage delay matrix of each distinct
+``(servers, clients)`` group and the link terms of each distinct server pair are computed once and
+memoised: a local search at 1,000 devices asked for about five profiles per distinct group.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import numpy as np
 
 from planner.assembly import assemble_plan, build_edge_delays, typical_transfer_bytes
 from planner.costs import (
-    LinkTerms, StageGroup, count_inflight, estimate_averaging_share, estimate_link_terms, profile_group,
+    LinkTerms, StageGroup, count_flushed, count_inflight, estimate_averaging_share, estimate_exchange,
+    estimate_link_terms, profile_group, seconds_per_microbatch,
 )
 from planner.layer_split import (
     build_cost_matrix, build_floor_matrix, build_link_matrix, compute_range_delays, split_by_matrices,
@@ -35,6 +37,8 @@ class ArrangementScorer:
         self._links: dict[tuple, np.ndarray] = {}
         self._ranges: dict[tuple, float] = {}
         self._floors: dict[tuple, np.ndarray] = {}
+        self._groups: dict[tuple, StageGroup] = {}
+        self._link_terms: dict[tuple, LinkTerms] = {}
         self._edges: np.ndarray | None = None
 
     @property
@@ -57,8 +61,14 @@ class ArrangementScorer:
         return matrix
 
     def _group(self, servers: tuple[int, ...], clients: tuple[int, ...]) -> StageGroup:
-        """The group's profile (not memoised: matrices are, and they are what repeats)."""
-        return profile_group(self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64))
+        """The group's profile, memoised: the screening, link, floor and round-trip terms of one
+        candidate stage all read it."""
+        key = (servers, clients)
+        group = self._groups.get(key)
+        if group is None:
+            group = profile_group(self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64))
+            self._groups[key] = group
+        return group
 
     def floor_matrix(self, servers: tuple[int, ...], clients: tuple[int, ...]) -> np.ndarray:
         """Blocking averaging floor ``AT[a, b] / d`` of the group (``costs`` module doc)."""
@@ -70,10 +80,15 @@ class ArrangementScorer:
         return floor
 
     def link_terms(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> LinkTerms:
-        """``LinkTerms`` of the link between two server groups."""
-        return estimate_link_terms(
-            self.snapshot, np.array(senders, dtype=np.int64), np.array(receivers, dtype=np.int64)
-        )
+        """``LinkTerms`` of the link between two server groups, memoised."""
+        key = (senders, receivers)
+        terms = self._link_terms.get(key)
+        if terms is None:
+            terms = estimate_link_terms(
+                self.snapshot, np.array(senders, dtype=np.int64), np.array(receivers, dtype=np.int64)
+            )
+            self._link_terms[key] = terms
+        return terms
 
     def link_matrix(self, group: tuple[tuple[int, ...], tuple[int, ...]], receivers: tuple[int, ...]) -> np.ndarray:
         """``L_k[a, b]``: the outgoing link of stage ``group`` (servers, clients) for every range."""
@@ -97,11 +112,9 @@ class ArrangementScorer:
         key = (servers, clients, inflight, start, end)
         delay = self._ranges.get(key)
         if delay is None:
-            group = profile_group(
-                self.snapshot, np.array(servers, dtype=np.int64), np.array(clients, dtype=np.int64)
-            )
             delay = float(compute_range_delays(
-                self.snapshot.model, group, np.array([start]), np.array([end]), num_inflight=inflight
+                self.snapshot.model, self._group(servers, clients), np.array([start]), np.array([end]),
+                num_inflight=inflight,
             )[0])
             self._ranges[key] = delay
         return delay
@@ -155,7 +168,8 @@ class ArrangementScorer:
         """(layer boundaries, seconds per micro-batch) of the best layer split; inf when infeasible.
 
         The split minimises the bottleneck term; the window bound ``R / W`` of that split is then
-        applied, so the cost is what ``estimate_throughput`` gives the plan.
+        applied (under the flush schedule, the step's fill, drain and round:
+        ``costs.seconds_per_microbatch``), so the cost is what ``estimate_throughput`` gives the plan.
         """
         self.num_evaluations += 1
         if len(arrangement) > self.snapshot.model.num_layers:
@@ -163,7 +177,13 @@ class ArrangementScorer:
         bounds, cost = split_by_matrices(self.stage_matrices(arrangement))
         if not np.isfinite(cost):
             return bounds, cost
-        return bounds, max(cost, self.round_trip(arrangement, bounds) / self.window(arrangement))
+        model, runtime = self.snapshot.model, self.snapshot.runtime
+        num_flushed = count_flushed(runtime, model)
+        starts = (0,) + tuple(bounds[:-1])
+        exchange = max(estimate_exchange(model, self._group(*stage), start, end, runtime=runtime)
+                       for stage, start, end in zip(arrangement, starts, bounds)) if num_flushed else 0.0
+        return bounds, seconds_per_microbatch(cost, self.round_trip(arrangement, bounds), self.window(arrangement),
+                                              exchange=exchange, num_flushed=num_flushed)
 
     def round_trip(self, arrangement: Arrangement, bounds: tuple[int, ...]) -> float:
         """``R`` of the cost model for fixed boundaries (``costs`` module doc)."""

@@ -41,7 +41,7 @@ from planner.partition import PartitionConfig, plan_partition
 from planner.simulator import SimulationConfig, simulate_plan
 from planner.spantrain import plan_spantrain
 from planner.plan import Plan
-from planner.snapshot import LinkMatrix, ModelProfile, SwarmSnapshot
+from planner.snapshot import LinkMatrix, SwarmSnapshot
 
 BASELINES = ("even", "petals", "swarm")
 LITERATURE = ("asteroid", "spantrain")
@@ -87,10 +87,12 @@ class GlobalPlanConfig:
             raise ValueError("max_pools, num_simulated must be >= 0, simulation_steps >= 2, num_restarts >= 1")
 
 
-def simulation_config(config: GlobalPlanConfig, model: ModelProfile) -> SimulationConfig:
-    """The simulator as the runtime runs: whole micro-batches, FIFO, the snapshot's settings."""
-    steady = -(-config.min_simulated_microbatches // model.num_microbatches)
-    return SimulationConfig.murmuration(num_steps=max(config.simulation_steps, 1 + steady))
+def simulation_config(config: GlobalPlanConfig, snapshot: SwarmSnapshot) -> SimulationConfig:
+    """The simulator as the runtime runs: whole micro-batches, FIFO, the snapshot's settings (its
+    flush schedule too)."""
+    steady = -(-config.min_simulated_microbatches // snapshot.model.num_microbatches)
+    return SimulationConfig.murmuration(num_steps=max(config.simulation_steps, 1 + steady),
+                                        is_flushing=snapshot.runtime.is_flushing)
 
 
 def restrict_snapshot(snapshot: SwarmSnapshot, indices: tuple[int, ...]) -> SwarmSnapshot:
@@ -146,9 +148,19 @@ def list_device_pools(snapshot: SwarmSnapshot, max_pools: int) -> list[tuple[int
     return usable[:max_pools]
 
 
-def build_candidates(snapshot: SwarmSnapshot, config: GlobalPlanConfig) -> dict[str, Plan]:
-    """Every plan ``plan_global`` chooses from, by name (baselines under their own names)."""
-    candidates = {"even": plan_even(snapshot), "petals": plan_petals(snapshot), "swarm": plan_swarm(snapshot)}
+def build_candidates(
+    snapshot: SwarmSnapshot, config: GlobalPlanConfig, *, is_canonical: bool = False
+) -> dict[str, Plan]:
+    """Every plan ``plan_global`` chooses from, by name (baselines under their own names).
+
+    ``is_canonical``: ``snapshot`` is already canonical, so the baselines of the whole swarm skip
+    their own canonicalisation (``canonical.plan_canonically``); a pool's snapshot is not.
+    """
+    candidates = {
+        "even": plan_even(snapshot, is_canonical=is_canonical),
+        "petals": plan_petals(snapshot, is_canonical=is_canonical),
+        "swarm": plan_swarm(snapshot, is_canonical=is_canonical),
+    }
     if snapshot.num_devices <= config.max_literature_devices:
         for name, planner in (
             ("asteroid", plan_asteroid),
@@ -195,14 +207,14 @@ def choose_plan(
 
 
 def _plan_canonical(snapshot: SwarmSnapshot, config: GlobalPlanConfig) -> Plan:
-    candidates = build_candidates(snapshot, config)
+    candidates = build_candidates(snapshot, config, is_canonical=True)  # plan_global canonicalised it
     scores = {name: estimate_throughput(snapshot, plan) for name, plan in candidates.items()}
     simulated: dict[str, float] = {}
     rivals = tuple(n for n in BASELINES + LITERATURE if n in candidates)
     if snapshot.num_devices <= config.max_simulated_devices:
         ranked = sorted(scores, key=lambda n: (-scores[n], n))
         for name in dict.fromkeys(list(rivals) + ranked[: config.num_simulated]):
-            simulation = simulation_config(config, snapshot.model)
+            simulation = simulation_config(config, snapshot)
             result = simulate_plan(snapshot, candidates[name], simulation, rng=np.random.default_rng(0))
             simulated[name] = result.throughput
     if max(scores.values()) <= 0:

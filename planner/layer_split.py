@@ -27,24 +27,44 @@ def compute_range_delays(
     """Stage delay ``DT`` of the group for each layer range [starts[r], ends[r]), vectorised.
 
     The same model as ``costs.estimate_stage_delay``; inf where a server cannot hold the range.
+    A range's delay depends on the range only through four figures (its FLOPs, boundary bytes,
+    weight bytes and window activations), and a model of repeated blocks gives many ranges the
+    same four exactly (24 identical layers: 300 ranges, 47 distinct), so each distinct set (equal
+    bytes) is filled once and the results are spread back: the same arithmetic on the same values.
     """
-    prefix_flops = np.concatenate([[0.0], np.cumsum(model.layer_flops)])
-    prefix_params = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes)])
-    prefix_acts = np.concatenate([[0.0], np.cumsum(model.layer_activation_bytes)])
+    prefix_flops, prefix_params, prefix_acts = model.prefix_sums
     outputs = np.asarray((0.0,) + model.layer_activation_bytes)
     a, b = np.asarray(starts), np.asarray(ends)
-    weights = (prefix_params[b] - prefix_params[a]) * (1.0 + model.optimizer_bytes_per_param_byte)
-    activations = (prefix_acts[b] - prefix_acts[a]) * max(num_inflight, 1)
-    boundary = outputs[b] + np.where(a > 0, outputs[a], 0.0)
-    per_sample = (prefix_flops[b] - prefix_flops[a])[:, None] / group.flops[None, :]
+    figures = np.stack([
+        prefix_flops[b] - prefix_flops[a],
+        outputs[b] + np.where(a > 0, outputs[a], 0.0),
+        (prefix_params[b] - prefix_params[a]) * (1.0 + model.optimizer_bytes_per_param_byte),
+        (prefix_acts[b] - prefix_acts[a]) * max(num_inflight, 1),
+    ], axis=1)
+    if a.size < 2:
+        return _fill_ranges(model, group, figures)
+    rows = np.ascontiguousarray(figures).view(np.dtype((np.void, figures.itemsize * 4))).reshape(-1)
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)  # byte-equal rows
+    return _fill_ranges(model, group, figures[first])[inverse.reshape(-1)]
+
+
+def _fill_ranges(model: ModelProfile, group: StageGroup, figures: np.ndarray) -> np.ndarray:
+    """``compute_range_delays`` of ranges given by their rows of (FLOPs per sample, boundary bytes
+    per sample, weight bytes with optimizer state, activation bytes of the window)."""
+    stage_flops, boundary, weights, activations = figures.T
+    per_sample = stage_flops[:, None] / group.flops[None, :]
     per_sample = np.maximum(per_sample + boundary[:, None] * group.inverse_bandwidths[None, :], 1e-30)
     free = np.maximum(group.memory_bytes[None, :] - weights[:, None], 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         caps = np.where(activations[:, None] > 0, free / activations[:, None], np.inf)
     caps = np.where(group.memory_bytes[None, :] >= weights[:, None], caps, 0.0)
-    delays = fill_workloads(group.offset_delays, per_sample, caps, model.microbatch_size)
     servers_fit = np.all(group.memory_bytes[None, : group.num_servers] >= weights[:, None], axis=1)
-    return np.where(servers_fit, delays, np.inf)
+    delays = np.full(weights.size, np.inf)
+    if np.any(servers_fit):  # a range no server can hold is inf whatever the clients do: not filled
+        delays[servers_fit] = fill_workloads(
+            group.offset_delays, per_sample[servers_fit], caps[servers_fit], model.microbatch_size
+        )
+    return delays
 
 
 def build_cost_matrix(
@@ -56,7 +76,7 @@ def build_cost_matrix(
     ``link_per_byte`` is ``LinkTerms.bottleneck_per_byte`` of the outgoing link (None: last stage).
     """
     num_layers = model.num_layers
-    a, b = np.triu_indices(num_layers + 1, k=1)
+    a, b = model.layer_ranges
     cost = np.full((num_layers + 1, num_layers + 1), np.inf)
     cost[a, b] = compute_range_delays(model, group, a, b, num_inflight=num_inflight)
     if link_per_byte is not None:
@@ -71,21 +91,18 @@ def build_link_matrix(
     outputs = np.asarray((0.0,) + model.layer_activation_bytes)
     share = np.zeros((model.num_layers + 1, model.num_layers + 1))
     if runtime.averaging_period > 0:
-        share = _range_param_bytes(model) * group.averaging_per_byte / runtime.averaging_period
+        share = model.range_param_bytes * group.averaging_per_byte / runtime.averaging_period
     slowdown = 1.0 / (1.0 - np.minimum(share, MAX_AVERAGING_SHARE))
     return link_per_byte * model.microbatch_size * outputs[None, :] * slowdown
 
 
 def build_floor_matrix(model: ModelProfile, group: StageGroup, *, runtime: RuntimeSettings) -> np.ndarray:
-    """``floor[a, b]`` = blocking averaging per micro-batch of layers [a, b) (``costs`` module doc)."""
-    excess = _range_param_bytes(model) * group.averaging_per_byte - runtime.averaging_period
+    """``floor[a, b]`` = blocking averaging per micro-batch of layers [a, b) (``costs`` module doc);
+    0 under the flush schedule, whose round is charged once per step (``costs.estimate_exchange``)."""
+    if runtime.is_flushing:
+        return np.zeros_like(model.range_param_bytes, dtype=float)
+    excess = model.range_param_bytes * group.averaging_per_byte - runtime.averaging_period
     return np.maximum(excess, 0.0) / model.num_microbatches
-
-
-def _range_param_bytes(model: ModelProfile) -> np.ndarray:
-    """``P[a, b]`` = parameter bytes of layers [a, b) (0 where a >= b)."""
-    prefix_params = np.concatenate([[0.0], np.cumsum(model.layer_param_bytes)])
-    return np.maximum(prefix_params[None, :] - prefix_params[:, None], 0.0)
 
 
 def split_by_matrices(costs: list[np.ndarray]) -> tuple[tuple[int, ...], float]:

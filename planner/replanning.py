@@ -19,7 +19,7 @@ seed 001 "topology-driven model replication").
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -265,7 +265,8 @@ def layer_migrations(old_layers: Sequence[tuple[int, int]], survivors: Sequence[
     return tuple(migrations)
 
 
-def choose_layout(current: Layout, seen: Sequence[Layout], *, num_unheld: int, alone: bool) -> Layout | None:
+def choose_layout(current: Layout, seen: Sequence[Layout], *, num_unheld: int, alone: bool,
+                  planned: Collection[Layout] = ()) -> Layout | None:
     """The layout a peer under ``current`` moves to, given the layouts other peers train under; None: stay.
 
     Every peer applies the same order, so concurrent re-plans converge on one layout: a higher version
@@ -275,7 +276,9 @@ def choose_layout(current: Layout, seen: Sequence[Layout], *, num_unheld: int, a
     follow from this peer's view: the next version, dropping between 1 and ``num_unheld`` stages (the
     stages this peer sees nobody hold), or a competing layout of this peer's own version that ranks
     before it. A peer ``alone`` under its layout (everyone else moved on while it was cut off) takes
-    the best layout of any newer version, as it has no pipeline left where it is.
+    the best layout of any newer version, as it has no pipeline left where it is. A layout of
+    ``planned`` (a global plan this peer judged worth following, ``peer.plan_adoption``) follows
+    when it is the next version, whatever stages it keeps or adds.
     """
     def rank(layout: Layout) -> tuple:
         return -layout.num_stages, layout.stage_layers
@@ -285,7 +288,7 @@ def choose_layout(current: Layout, seen: Sequence[Layout], *, num_unheld: int, a
             return rank(layout) < rank(current)
         if layout.version < current.version:
             return False
-        if alone:
+        if alone or (layout in planned and layout.version == current.version + 1):
             return True
         dropped = current.num_stages - layout.num_stages
         return layout.version == current.version + 1 and 1 <= dropped <= num_unheld

@@ -29,11 +29,16 @@ class RuntimeSettings:
             output as profiled (1.0: as computed; 0.5: bf16/fp16 of fp32; 1/3.76: int8 of fp32).
         averaging_period: seconds between a stage's averaging rounds (``--averaging-period``, 15);
             0 means every step, blocking (seed 000's runtime: a step lasts at least the round).
+        is_flushing: each step drains the pipeline of its micro-batches and then averages
+            (``RunSpec.pipeline_schedule`` "flush", the runtime's default, whose replicas
+            exchange gradients after every batch): a step pays the pipeline's fill and drain and
+            the round after them. False: steps overlap (delayed updates), as seed 000 has it.
     """
 
     max_in_flight_per_peer: int = 4
     boundary_compression_ratio: float = 1.0
     averaging_period: float = 15.0
+    is_flushing: bool = False
 
     def __post_init__(self) -> None:
         if self.max_in_flight_per_peer < 1:

@@ -39,7 +39,10 @@ Runtime variants (``SimulationConfig``; the defaults are the seed's model above)
   warm-up: the throughput counts the later steps only, each lasting ``max(its time, averaging)``.
   Churn needs the draining model (a device is back at the next step) and is refused here.
 
-``SimulationConfig.murmuration`` sets all four, as ``bench/simulator_check.py`` uses it.
+``SimulationConfig.murmuration`` sets all four, as ``bench/simulator_check.py`` uses it. With
+``is_flushing`` (the runtime's default flush schedule) it drains instead, and a step's averaging
+round (the replicas' gradient exchange) follows its drain (``is_averaging_after_drain``):
+``bench/simulator_harness.py`` measured which of the two predicts the real swarm.
 
 One cost model with ``planner.costs`` (issue #18): the simulator takes its link figures
 (``estimate_link_terms``: means over all servers of both stages, parallel streams, the boundary
@@ -90,6 +93,10 @@ class SimulationConfig:
             it takes ``message_overhead_flops / flops`` seconds of the device like compute does; a
             task of a middle stage has two such messages, the first stage's forward one (it sends),
             the last stage's fused task two. 0: messages cost no device time.
+        is_averaging_after_drain: a step's averaging round starts once its pipeline has drained
+            and the step ends with it (Murmuration's flush schedule, whose replicas exchange
+            gradients after every batch): a step lasts the pipeline plus the round's part beyond
+            the averaging period, not the longer of the two. Needs ``is_draining``.
     """
 
     num_steps: int = 3
@@ -103,6 +110,7 @@ class SimulationConfig:
     is_fused_last_stage: bool = False
     is_draining: bool = True
     message_overhead_flops: float = 0.0
+    is_averaging_after_drain: bool = False
 
     def __post_init__(self) -> None:
         if self.num_steps < 1 or self.max_inflight < 0:
@@ -113,17 +121,22 @@ class SimulationConfig:
             raise ValueError("failure_detect_delay and message_overhead_flops must be >= 0")
         if not self.is_draining and (self.num_steps < 2 or self.disconnect_probability > 0):
             raise ValueError("is_draining=False needs num_steps >= 2 and no churn")
+        if self.is_averaging_after_drain and not self.is_draining:
+            raise ValueError("is_averaging_after_drain needs is_draining: a round after a drain needs the drain")
 
     @classmethod
     def murmuration(cls, *, num_steps: int, max_inflight_per_peer: int = 0,
-                    message_overhead_flops: float = 0.0) -> SimulationConfig:
-        """Murmuration's runtime: whole micro-batches, FIFO compute, fused last stage, no drain.
+                    message_overhead_flops: float = 0.0, is_flushing: bool = False) -> SimulationConfig:
+        """Murmuration's runtime: whole micro-batches, FIFO compute, fused last stage, no drain;
+        ``is_flushing``: its flush schedule (``RunSpec.pipeline_schedule`` "flush", the default):
+        each step drains the pipeline, then the replicas exchange gradients.
 
         ``max_inflight_per_peer`` 0 takes the window from the snapshot's ``RuntimeSettings``.
         """
         return cls(
             num_steps=num_steps, max_inflight=max_inflight_per_peer, is_whole_microbatch=True, is_fifo=True,
-            is_fused_last_stage=True, is_draining=False, message_overhead_flops=message_overhead_flops,
+            is_fused_last_stage=True, is_draining=is_flushing, message_overhead_flops=message_overhead_flops,
+            is_averaging_after_drain=is_flushing,
         )
 
 
@@ -173,9 +186,9 @@ def _build_stage_models(snapshot: SwarmSnapshot, plan: Plan) -> list[_StageModel
         per_byte = bandwidth[np.ix_(members, servers)].mean(axis=1) * ratio
         alpha[: servers.size], per_byte[: servers.size] = 0.0, 0.0
         weight_bytes = sum(model.layer_param_bytes[stage.layer_start:stage.layer_end])
-        # Each member ships W / |S| to each of |S| servers and gets as much back: 2 W mean(1/beta).
-        to_servers = bandwidth[np.ix_(members, servers)]
-        averaging = 2.0 * weight_bytes * to_servers.mean(axis=1).max() if members.size > 1 else 0.0
+        # the cost model's round (costs.round_per_byte: a butterfly, or the exchange every step)
+        group = profile_group(snapshot, servers, snapshot.indices_of(stage.client_ids))
+        averaging = weight_bytes * group.averaging_per_byte
         boundary = model.layer_activation_bytes[stage.layer_end - 1]
         boundary += model.layer_activation_bytes[stage.layer_start - 1] if stage.layer_start > 0 else 0.0
         stages.append(_StageModel(
@@ -472,7 +485,7 @@ def simulate_plan(
             if rng.random() < config.disconnect_probability:
                 disconnects.append((float(rng.uniform(0.0, horizon if horizon else 1.0)), device))
         pipeline_delay = run.run(disconnects)
-        step_delays.append(max(pipeline_delay, averaging))
+        step_delays.append(pipeline_delay + averaging if config.is_averaging_after_drain else max(pipeline_delay, averaging))
         horizon = pipeline_delay
         num_lost += run.num_lost
         num_restarts += run.num_restarts

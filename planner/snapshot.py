@@ -12,6 +12,7 @@ snapshots and every float sum afterwards runs in the same order.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -43,6 +44,12 @@ class Device:
             raise ValueError(f"flops must be finite and > 0, got {self.flops!r}")
         if self.memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0, got {self.memory_bytes!r}")
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, no longer writable (a snapshot's figures are shared by every planner)."""
+    array.setflags(write=False)
+    return array
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -80,6 +87,22 @@ class LinkMatrix:
     def num_devices(self) -> int:
         """Number of devices the matrices describe."""
         return int(self.latency_delay.shape[0])
+
+    @functools.cached_property
+    def inverse_bandwidth(self) -> np.ndarray:
+        """``1 / beta`` in seconds per byte (0 on the diagonal), built once: the cost model reads
+        it for every stage group a planner scores."""
+        return _read_only(1.0 / self.bandwidth)
+
+    @functools.cached_property
+    def mean_latency(self) -> np.ndarray:
+        """``(alpha_ij + alpha_ji) / 2``, the latency a client and a server see between them."""
+        return _read_only((self.latency_delay + self.latency_delay.T) / 2)
+
+    @functools.cached_property
+    def mean_inverse_bandwidth(self) -> np.ndarray:
+        """``(1 / beta_ij + 1 / beta_ji) / 2``, seconds per byte between a client and a server."""
+        return _read_only((self.inverse_bandwidth + self.inverse_bandwidth.T) / 2)
 
     def permuted(self, order: np.ndarray) -> LinkMatrix:
         """Returns the matrices with rows and columns taken in ``order``."""
@@ -135,6 +158,28 @@ class ModelProfile:
     def batch_size(self) -> int:
         """Samples per training step (seed 000 ``B``)."""
         return self.microbatch_size * self.num_microbatches
+
+    @functools.cached_property
+    def prefix_sums(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Prefix sums, from 0, of the layers' FLOPs, parameter bytes and activation bytes: a
+        layer range's figures are differences of two entries. Built once (read-only); the layer
+        split reads them for every stage group a planner scores."""
+        return tuple(
+            _read_only(np.concatenate([[0.0], np.cumsum(values)]))
+            for values in (self.layer_flops, self.layer_param_bytes, self.layer_activation_bytes)
+        )
+
+    @functools.cached_property
+    def range_param_bytes(self) -> np.ndarray:
+        """``P[a, b]`` = parameter bytes of layers [a, b) (0 where a >= b), built once."""
+        prefix_params = self.prefix_sums[1]
+        return _read_only(np.maximum(prefix_params[None, :] - prefix_params[:, None], 0.0))
+
+    @functools.cached_property
+    def layer_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) of every layer range [a, b), a < b, in ``np.triu_indices`` order."""
+        starts, ends = np.triu_indices(self.num_layers + 1, k=1)
+        return _read_only(starts), _read_only(ends)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

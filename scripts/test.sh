@@ -7,7 +7,7 @@ bash scripts/setup_browser.sh  # chromium, for the health page's browser test
 bash scripts/setup_network.sh  # nftables (and gcc, iproute2), for the emulated internet's tests
 # two workers (MURMURATION_TEST_WORKERS): one e2e test leaves much of two cores idle (its peers wait on
 # one another and on the network), so two side by side finish sooner (README, "Tests"); tests marked
-# xdist_group("netns") run one at a time on one worker while the other runs the rest (loadgroup; needs
+# xdist_group("one_at_a_time") run one at a time on one worker while the other runs the rest (loadgroup; needs
 # pytest 8, pinned), and a file lock in tests/e2e/conftest.py holds them apart even where it does not
 # --tb=native: pytest 8.4's own traceback formatting hit a frame without a line number (tb_lineno None)
 # in a failing e2e test and crashed its worker with an INTERNALERROR, hiding the failure

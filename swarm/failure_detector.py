@@ -30,6 +30,12 @@ replicas average at the same clock times, and a round's megabytes fill this peer
 partners' (CI 2026-11-27, 20 Mbit/s + 40 ms: a ping to an averaging partner waited behind the round
 on their shared connection for over 4 s, past the acceptable pause).
 
+A dial that reached the neighbour's port but failed in libp2p's handshake is no strike: a live daemon
+answered. Two peers that dial each other within a round trip from their listening ports (as peers
+behind NATs do, ``dht.node``) meet in one TCP connection and both handshakes fail; libp2p then answers
+every dial to that address with "dial backoff" for 5 s, which repeats the last real dial's verdict
+(:func:`refusal_kind`). Two new neighbours declared each other down that way (CI 2026-11-28).
+
 A peer that declares a neighbour down tells the peers in its view (gossip, :mod:`swarm.membership`);
 a receiver does not take the word of a stranger for it but pings the named peer once itself, so a
 liar cannot talk the swarm out of a live peer. Together: a crash is known in well under a second on
@@ -47,6 +53,7 @@ from collections.abc import Callable
 
 from hivemind.p2p import P2P
 
+from dht.node import first_line
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
 from swarm.links import LinkMeter
 from swarm.view import SwarmView
@@ -59,6 +66,34 @@ VOUCH_WINDOW = 5.0  # seconds after its last answered ping that a neighbour coun
 # over a second at a home link's 150-300 ms): until a round trip is measured, it gets this long
 FIRST_PING_DEADLINE = 2.0
 ACCEPTABLE_PAUSE = 3.0  # seconds past its deadline that an unanswered ping still waits before the second strike
+
+
+# go-libp2p's words for a dial that reached a listener whose handshake then failed, and for a dial it
+# did not try because the last one to that address failed moments ago
+HANDSHAKE_FAILED = ("failed to negotiate",)
+DIAL_BACKOFF = "dial backoff"
+
+
+def dial_reasons(error: str) -> list[str]:
+    """The per-address lines of a go-libp2p dial error ("* [/ip4/…] why"), none for other errors."""
+    return [line.strip() for line in error.splitlines() if line.strip().startswith("* [")]
+
+
+def is_backoff(error: str) -> bool:
+    """Whether libp2p skipped every address of this dial for its backoff (no real dial was made)."""
+    reasons = dial_reasons(error)
+    return bool(reasons) and all(DIAL_BACKOFF in reason for reason in reasons)
+
+
+def refusal_kind(error: str, last: str | None) -> str:
+    """How a ping that could not reach its peer counts: "refused" (a strike: nothing answered at its
+    address) or "inconclusive" (a daemon answered there; no strike). A dial libp2p skipped for its
+    backoff counts as the last real dial did (``last``, None: none seen, a strike). Pure."""
+    if is_backoff(error):
+        return last or "refused"
+    if any(word in error for word in HANDSHAKE_FAILED):
+        return "inconclusive"
+    return "refused"
 
 
 class PhiAccrual:
@@ -132,6 +167,9 @@ class FailureDetector:
         self.busy_since: Callable[[float], bool] = lambda since: False
         self.monitors: dict[str, PhiAccrual] = {}
         self._failed: collections.Counter = collections.Counter()
+        self._strikes: collections.defaultdict = collections.defaultdict(list)  # the last strikes' reasons, for the log
+        self._refusals: dict[str, str] = {}  # the last refused ping's error per peer, for the log
+        self._dial_kinds: dict[str, str] = {}  # the last real dial's refusal_kind per peer (dial backoff repeats it)
         self._pinging: dict[str, asyncio.Task] = {}
         self.down: set[str] = set()
         self._recheck_at: dict[str, float] = {}
@@ -189,13 +227,23 @@ class FailureDetector:
         return answered
 
     async def _ping_once(self, peer_id: str, timeout: float) -> str:
-        """"answered", "late" (no answer by ``timeout``) or "refused" (could not reach it)."""
+        """"answered", "late" (no answer by ``timeout``), "refused" (could not reach it) or
+        "inconclusive" (:func:`refusal_kind`)."""
         try:
             await call_peer(self.p2p, peer_id, self.handler, {"kind": "ping"}, timeout=timeout, max_payload_bytes=0)
             return "answered"
         except PeerUnavailableError as e:
-            return "late" if isinstance(e.__cause__, asyncio.TimeoutError) else "refused"
-        except RemoteError:
+            if isinstance(e.__cause__, asyncio.TimeoutError):
+                return "late"
+            error = str(e)
+            kind = refusal_kind(error, self._dial_kinds.get(peer_id))
+            if not is_backoff(error):
+                self._dial_kinds[peer_id] = kind
+            reasons = "; ".join(dial_reasons(error))
+            self._refusals[peer_id] = first_line(e) + (f": {reasons[:300]}" if reasons else "")
+            return kind
+        except RemoteError as e:
+            self._refusals[peer_id] = f"remote error: {first_line(e)}"
             return "refused"
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -257,7 +305,7 @@ class FailureDetector:
         try:
             done, _ = await asyncio.wait(pings, timeout=deadline)
             if not done:
-                if self._counts_as_silence(peer_id, started) and self._strike(peer_id):
+                if self._counts_as_silence(peer_id, started) and self._strike(peer_id, f"no answer in {deadline:.2f}s"):
                     return  # declared down
                 # a second ping on a stream of its own: the first may be stuck on a connection that two
                 # peers dialling each other at once opened twice and then closed (two stage-0 peers,
@@ -280,33 +328,41 @@ class FailureDetector:
             if self._failed[peer_id]:
                 self.on_link("connect_link", peer_id)  # the link is back before the peer was declared down
             self._failed[peer_id] = 0
+        elif outcome == "inconclusive":
+            logger.debug(f"{peer_id[-6:]}: a ping reached its daemon but not its handler: {self._refusals.get(peer_id)}")
         elif outcome == "refused" or self._counts_as_silence(peer_id, started):
-            self._strike(peer_id)
+            how = f"refused ({self._refusals.get(peer_id)})" if outcome == "refused" else outcome
+            self._strike(peer_id, f"{how} after {time.monotonic() - started:.2f}s (deadline {deadline:.2f}s)")
 
     def _counts_as_silence(self, peer_id: str, since: float) -> bool:
         """A ping unanswered since ``since`` says something only if this peer did not stall meanwhile
         (its own ticks came on time), nothing else of the other peer arrived (activations, answers:
-        a ping waits behind the same bytes on a congested link), and this peer's link carried no bulk
-        exchange of its own (an averaging round)."""
+        a ping waits behind the same bytes on a congested link), this peer sent it no bulk push
+        meanwhile (the ping waits behind that), and this peer's link carried no bulk exchange of its
+        own (an averaging round)."""
         stalled = self._stalled_at >= since or time.monotonic() - self._last_tick > STALL_FACTOR * self.ping_period
-        return not stalled and not self.links.heard_since(peer_id, since) and not self.busy_since(since)
+        return (not stalled and not self.links.heard_since(peer_id, since) and not self.links.sent_since(peer_id, since)
+                and not self.busy_since(since))
 
-    def _strike(self, peer_id: str) -> bool:
-        """Count a missed or refused ping; True if that made ``peer_id`` down."""
+    def _strike(self, peer_id: str, why: str = "refused") -> bool:
+        """Count a missed or refused ping (``why``: how, for the log); True if that made ``peer_id`` down."""
         self._failed[peer_id] += 1
+        previous = self._strikes[peer_id] if self._failed[peer_id] > 1 else []
+        self._strikes[peer_id] = [*previous, why][-self.max_failed_pings:]
         if self._failed[peer_id] == 1:
             self.on_link("disconnect_link", peer_id)
         if self._failed[peer_id] < self.max_failed_pings:
             return False
         if self._pinging.get(peer_id) is asyncio.current_task():
             del self._pinging[peer_id]  # declare_down cancels the ping in flight: not this one
-        logger.info(f"{peer_id[-6:]} missed or refused {self._failed[peer_id]} pings in a row: down")
+        logger.info(f"{peer_id[-6:]} missed or refused {self._failed[peer_id]} pings in a row ({'; '.join(self._strikes[peer_id])}): down")
         self.declare_down(peer_id, "detector")
         return True
 
 
 async def _first_answer(pings: list[asyncio.Future]) -> str:
-    """"answered" as soon as one of ``pings`` is answered; else, once all ended, "refused" if one was."""
+    """"answered" as soon as one of ``pings`` is answered; else, once all ended, "refused" if one was,
+    else "inconclusive" if one was, else "late"."""
     outcomes: list[str] = []
     pending = set(pings)
     while pending:
@@ -314,4 +370,4 @@ async def _first_answer(pings: list[asyncio.Future]) -> str:
         outcomes += [task.result() for task in done]
         if "answered" in outcomes:
             return "answered"
-    return "refused" if "refused" in outcomes else "late"
+    return next((kind for kind in ("refused", "inconclusive") if kind in outcomes), "late")

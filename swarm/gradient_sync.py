@@ -57,6 +57,7 @@ one process's mean when the shares are uneven (e.g. 2, 1, 1 microbatches).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,8 +66,10 @@ import torch
 from hivemind.p2p import P2P
 
 from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
+from dht.striping import stripe_count
 from dht.wire import ProtocolError, require_tensor
 from swarm.boundary_codec import boundary_codec
+from swarm.links import LinkMeter
 from swarm.robust import MIN_ROBUST_ROWS, aggregate
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -148,8 +151,12 @@ class GradientSync:
 
     def __init__(self, p2p: P2P, view: SwarmView, stage: Stage, *, peer_id: str, timeout: float,
                  max_payload_bytes: int, aggregation: str = "mean",
-                 on_event: Callable[..., None] = lambda event, **fields: None) -> None:
+                 on_event: Callable[..., None] = lambda event, **fields: None,
+                 links: LinkMeter | None = None, striped: bool = True) -> None:
         self.p2p, self.view, self.stage, self.peer_id = p2p, view, stage, peer_id
+        # the links to co-replicas: their pushes count as heard and this peer's as sent (the failure
+        # detector's); a long round trip stripes a push when ``striped`` (dht.striping)
+        self.links, self.striped = links, striped
         self.aggregation = aggregation
         self.timeout, self.max_payload_bytes, self.on_event = timeout, max_payload_bytes, on_event
         self.handler = gradients_handler(stage.spec.namespace, stage.index)
@@ -267,8 +274,11 @@ class GradientSync:
 
     async def _push(self, peer_id: str, batch: int, header: dict[str, Any], gradients: list[torch.Tensor]) -> None:
         try:
-            reply, _ = await call_peer(self.p2p, peer_id, self.handler, header, gradients,
-                                       timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
+            payload = sum(t.numel() * t.element_size() for t in gradients)
+            stripes = stripe_count(payload, self.links.min_rtt(peer_id)) if self.links and self.striped else 1
+            with self._sending(peer_id):
+                reply, _ = await call_peer(self.p2p, peer_id, self.handler, header, gradients, stripes=stripes,
+                                           timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
         except (PeerUnavailableError, RemoteError) as e:
             logger.debug(f"gradients of batch {batch} not delivered to {peer_id[-6:]}: {e}")
             self._ahead.setdefault(batch, set()).add(peer_id)  # do not wait for it
@@ -352,10 +362,15 @@ class GradientSync:
                     "took its state")
         self.on_event("replica_reconciled", batch=batch, source=source)
 
+    def _sending(self, peer_id: str) -> contextlib.AbstractContextManager:
+        """A bulk push to ``peer_id``: its pings queue behind it (``LinkMeter.sent_since``)."""
+        return contextlib.nullcontext() if self.links is None else self.links.sending(peer_id)
+
     async def _push_state(self, peer_id: str, batch: int, state: torch.Tensor) -> None:
         try:
-            await call_peer(self.p2p, peer_id, self.handler, {"batch": batch, "kind": "state"}, [state],
-                            timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
+            with self._sending(peer_id):
+                await call_peer(self.p2p, peer_id, self.handler, {"batch": batch, "kind": "state"}, [state],
+                                timeout=self.timeout, max_payload_bytes=self.max_payload_bytes)
         except (PeerUnavailableError, RemoteError) as e:
             logger.debug(f"state after batch {batch} not delivered to {peer_id[-6:]}: {e}")
 
@@ -419,6 +434,8 @@ class GradientSync:
             return self._receive_closing(sender, batch)
         if sender not in {r.peer_id for r in self.view.members(self.stage.index)}:
             raise Declined(f"{sender[-6:]} is not a replica of stage {self.stage.index} here")
+        if self.links is not None:
+            self.links.heard(sender)  # a co-replica whose pushes arrive is alive, whatever its pings say
         version = self.stage.version
         if batch > version + MAX_BATCHES_AHEAD:
             raise ProtocolError(f"batch {batch} is implausibly far ahead of this replica's {version}")

@@ -52,6 +52,7 @@ from dht.rpc import (
     call_peer,
     forward_handler,
 )
+from dht.striping import stripe_count
 from dht.wire import ProtocolError
 from planner.claims import cap_to_median
 from planner.link_view import LinkView
@@ -161,8 +162,10 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         links: LinkMeter | None = None,
         codec: BoundaryCodec | None = None,
+        striped: bool = True,
     ) -> None:
         self.p2p, self.view, self.run_id = p2p, view, run_id
+        self.striped = striped  # a long round trip's calls go over several streams (dht.striping)
         self.codec = codec if codec is not None else boundary_codec("none")  # the run's (swarm.subspace.stage_boundary_codec)
         self.clock = clock
         self.links = links if links is not None else LinkMeter()  # its answers say the next hop is alive
@@ -176,6 +179,7 @@ class Router:
         self.path_in_flight: Counter = Counter()  # stage 0: its microbatches out at each peer of any stage
         self.failed_until: dict[str, float] = {}  # peer -> the clock reading until which it is avoided
         self.num_failures = 0
+        self.num_striped = 0  # calls sent over several streams at once (dht.striping)
         self.num_timeouts = 0  # calls that got no answer in time (a queue that long is a loss to flow control)
         self._durations: collections.deque[float] = collections.deque(maxlen=200)  # answered calls, seconds
         self._own_durations: dict[str, collections.deque[float]] = {}  # per peer, its answered calls
@@ -334,6 +338,12 @@ class Router:
             self._own_durations.clear()  # peers come and go: forget them all rather than grow
         self._own_durations.setdefault(target, collections.deque(maxlen=OWN_CALLS)).append(duration)
 
+    def _stripes(self, target: str) -> int:
+        """Streams for a forward call to ``target`` (dht.striping: several on a long round trip)."""
+        stripes = stripe_count(self.payload_bytes, self.links.min_rtt(target)) if self.striped else 1
+        self.num_striped += stripes > 1
+        return stripes
+
     def _record_timeout(self, target: str, deadline: float) -> None:
         self.num_timeouts += 1
         self._smooth_latency(target, deadline)  # it took at least that long
@@ -375,7 +385,7 @@ class Router:
             try:
                 answer = await call_peer(
                     self.p2p, target, forward_handler(self.run_id), header, wire,
-                    timeout=deadline, max_payload_bytes=self.max_payload_bytes,
+                    timeout=deadline, max_payload_bytes=self.max_payload_bytes, stripes=self._stripes(target),
                 )
                 self._record_answer(target, self.clock() - started)
                 return self._answered(target, header, wire, self._decoded(target, header, tensors[0], answer))

@@ -2,11 +2,18 @@
  * one-way delay of its path, drops a fraction of them if asked, and writes them back.
  *
  *   delay_line TUN SEED RULE...      RULE = a.b.c.d/len,up_us,down_us,loss_up_ppm,loss_down_ppm
+ *                                     or   path:a.b.c.d/len>e.f.g.h/len,delay_us,rate_kbit,queue_us
  *
  * A packet from host S to host D is held up_us(S) + down_us(D) and dropped with probability
  * 1 - (1 - loss_up(S)) (1 - loss_down(D)); the first rule whose prefix holds an address is the
  * one used, and an address no rule holds adds nothing. Packets keep their order on a path (a heap
- * on (due time, arrival number)). The router namespace sends every packet arriving from a host
+ * on (due time, arrival number)).
+ *
+ * A path rule is a link between two places beyond the hosts' own (two regions, a continent apart):
+ * a packet from S in the first prefix to D in the second is held delay_us more and, with a rate,
+ * goes through a serial link of rate_kbit of its own (per rule, one direction): it leaves when the
+ * packets before it on that link have, and one that would wait more than queue_us is dropped, as a
+ * full router queue drops it. The first path rule that holds (S, D) is the one used. The router namespace sends every packet arriving from a host
  * link into the TUN device and routes what comes back out of it normally (peer/harness/internet.py).
  *
  * Signals: SIGUSR1 prints one JSON line of statistics (and starts counting afresh); SIGTERM or
@@ -37,9 +44,12 @@
 
 struct rule { uint32_t net, mask; uint64_t up_ns, down_ns; uint32_t loss_up, loss_down; };
 struct held { uint64_t due, seq; int slot; int len; };
+struct path { uint32_t from_net, from_mask, to_net, to_mask; uint64_t delay_ns, rate_kbit, queue_ns, free_at; };
 
 static struct rule rules[MAX_RULES];
 static int num_rules;
+static struct path paths[MAX_RULES];
+static int num_paths;
 static struct held heap[MAX_PACKETS];
 static int heap_len;
 static unsigned char *slots;
@@ -48,7 +58,7 @@ static uint64_t rng_state;
 static volatile sig_atomic_t stop_requested, stats_requested;
 
 static struct {
-    uint64_t packets, bytes, dropped_loss, dropped_full, dropped_write, not_ipv4, late_max;
+    uint64_t packets, bytes, dropped_loss, dropped_full, dropped_path, dropped_write, not_ipv4, late_max;
     uint64_t late[LATE_BUCKETS];
 } stats;
 
@@ -112,11 +122,11 @@ static uint64_t late_percentile(double fraction) {
 
 static void print_stats(void) {
     printf("{\"packets\": %llu, \"bytes\": %llu, \"dropped_loss\": %llu, \"dropped_full\": %llu, "
-           "\"dropped_write\": %llu, \"not_ipv4\": %llu, \"held_now\": %d, \"late_p50_us\": %llu, "
+           "\"dropped_path\": %llu, \"dropped_write\": %llu, \"not_ipv4\": %llu, \"held_now\": %d, \"late_p50_us\": %llu, "
            "\"late_p99_us\": %llu, \"late_max_us\": %llu}\n",
            (unsigned long long)stats.packets, (unsigned long long)stats.bytes,
            (unsigned long long)stats.dropped_loss, (unsigned long long)stats.dropped_full,
-           (unsigned long long)stats.dropped_write, (unsigned long long)stats.not_ipv4, heap_len,
+           (unsigned long long)stats.dropped_path, (unsigned long long)stats.dropped_write, (unsigned long long)stats.not_ipv4, heap_len,
            (unsigned long long)late_percentile(0.5), (unsigned long long)late_percentile(0.99),
            (unsigned long long)(stats.late_max / 1000));
     fflush(stdout);
@@ -146,6 +156,37 @@ static int parse_rule(const char *text, struct rule *rule) {
     return 0;
 }
 
+static int parse_prefix(const char *address, unsigned prefix, uint32_t *net, uint32_t *mask) {
+    struct in_addr parsed;
+    if (prefix > 32 || inet_pton(AF_INET, address, &parsed) != 1) return -1;
+    *mask = prefix == 0 ? 0 : htonl(0xffffffffu << (32 - prefix));
+    *net = parsed.s_addr & *mask;
+    return 0;
+}
+
+static int parse_path(const char *text, struct path *path) {
+    char from[64], to[64];
+    unsigned from_len, to_len;
+    unsigned long long delay_us, rate_kbit, queue_us;
+    if (sscanf(text, "path:%63[0-9.]/%u>%63[0-9.]/%u,%llu,%llu,%llu", from, &from_len, to, &to_len, &delay_us,
+               &rate_kbit, &queue_us) != 7
+        || parse_prefix(from, from_len, &path->from_net, &path->from_mask) != 0
+        || parse_prefix(to, to_len, &path->to_net, &path->to_mask) != 0)
+        return -1;
+    path->delay_ns = delay_us * 1000ull;
+    path->rate_kbit = rate_kbit;
+    path->queue_ns = queue_us * 1000ull;
+    path->free_at = 0;
+    return 0;
+}
+
+static struct path *path_for(uint32_t source, uint32_t destination) {
+    for (int i = 0; i < num_paths; i++)
+        if ((source & paths[i].from_mask) == paths[i].from_net && (destination & paths[i].to_mask) == paths[i].to_net)
+            return &paths[i];
+    return NULL;
+}
+
 static int open_tun(const char *name) {
     struct ifreq request;
     int fd = open("/dev/net/tun", O_RDWR | O_NONBLOCK);
@@ -171,10 +212,21 @@ static void take(const unsigned char *packet, int len, uint64_t now) {
         return;
     }
     if (num_free == 0 || len > SLOT_BYTES) { stats.dropped_full++; return; }
+    uint64_t leaves = now;
+    struct path *path = path_for(source, destination);
+    if (path != NULL) {
+        delay += path->delay_ns;
+        if (path->rate_kbit > 0) {  /* a serial link: after the packets before it, for its own length */
+            leaves = path->free_at > now ? path->free_at : now;
+            if (leaves - now > path->queue_ns) { stats.dropped_path++; return; }
+            leaves += (uint64_t)len * 8000000ull / path->rate_kbit;
+            path->free_at = leaves;
+        }
+    }
     static uint64_t arrivals;
     int slot = free_slots[--num_free];
     memcpy(slots + (size_t)slot * SLOT_BYTES, packet, (size_t)len);
-    heap_push((struct held){.due = now + delay, .seq = arrivals++, .slot = slot, .len = len});
+    heap_push((struct held){.due = leaves + delay, .seq = arrivals++, .slot = slot, .len = len});
 }
 
 /* Write back every packet whose time has come. */
@@ -194,10 +246,19 @@ static void release(int fd) {
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: delay_line TUN SEED [a.b.c.d/len,up_us,down_us,loss_up_ppm,loss_down_ppm ...]\n");
+        fprintf(stderr, "usage: delay_line TUN SEED [a.b.c.d/len,up_us,down_us,loss_up_ppm,loss_down_ppm | "
+                        "path:a.b.c.d/len>e.f.g.h/len,delay_us,rate_kbit,queue_us ...]\n");
         return 2;
     }
     for (int i = 3; i < argc; i++) {
+        if (strncmp(argv[i], "path:", 5) == 0) {
+            if (num_paths == MAX_RULES || parse_path(argv[i], &paths[num_paths]) != 0) {
+                fprintf(stderr, "delay_line: bad path '%s' (path:a.b.c.d/len>e.f.g.h/len,delay_us,rate_kbit,queue_us)\n", argv[i]);
+                return 2;
+            }
+            num_paths++;
+            continue;
+        }
         if (num_rules == MAX_RULES || parse_rule(argv[i], &rules[num_rules]) != 0) {
             fprintf(stderr, "delay_line: bad rule '%s' (a.b.c.d/len,up_us,down_us,loss_up_ppm,loss_down_ppm)\n", argv[i]);
             return 2;
@@ -219,7 +280,8 @@ int main(int argc, char **argv) {
     sigaction(SIGTERM, &action, NULL);
     sigaction(SIGINT, &action, NULL);
     sigaction(SIGUSR1, &action, NULL);
-    printf("{\"ready\": true, \"realtime\": %s, \"rules\": %d}\n", realtime ? "true" : "false", num_rules);
+    printf("{\"ready\": true, \"realtime\": %s, \"rules\": %d, \"paths\": %d}\n", realtime ? "true" : "false", num_rules,
+           num_paths);
     fflush(stdout);
     static unsigned char buffer[65536];
     struct pollfd wait_for = {.fd = fd, .events = POLLIN};

@@ -12,6 +12,10 @@ The layout, for hosts added with :meth:`Internet.add_host`::
 - **Rate**: a ``tc tbf`` token bucket on both ends of the access link (``══``): the upload on the
   host's (or home router's) side, the download on the core's side, each with a queue of
   ``Link.queue_ms`` at that rate, as a home router's buffer.
+- **Regions** (:meth:`Internet.connect_regions`): between two groups of hosts (two regions a
+  continent apart) each host-to-host path gets more delay and, with a rate, a serial link of its own
+  in the delay line (a bottleneck beyond both access links, per direction, with a queue of
+  ``queue_ms``): hosts of one region reach each other over their access links alone.
 - **Delay and loss**: the core routes every packet arriving from an access link into a TUN device
   read by ``delay_line`` (``delay_line.c``, compiled on first use), which holds it for the path's
   one-way delay (``delay_ms`` of the sender's link + ``delay_ms`` of the receiver's) and drops
@@ -42,6 +46,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +125,7 @@ class Internet:
         self._namespaces: list[str] = []
         self._delay_line: subprocess.Popen | None = None
         self.delay_line_started: dict = {}
+        self._paths: list[str] = []  # the delay line's path rules (connect_regions)
 
     def add_host(self, name: str, link: Link = Link(), *, nat: str | None = None) -> Host:
         if self._namespaces:
@@ -135,6 +141,23 @@ class Internet:
                     router_namespace=f"{self.tag}-r{index}" if nat else None)
         self.hosts.append(host)
         return host
+
+    def connect_regions(self, first: Sequence[Host], second: Sequence[Host], link: Link) -> None:
+        """Put ``link`` between every host of ``first`` and every host of ``second`` (before ``start``):
+        ``link.delay_ms`` more one way, and a serial link of ``link.rate_mbit`` (None: no limit but the
+        access links) with a queue of ``link.queue_ms``, of its own for each pair and direction.
+        A round trip between the regions is then ``2 × (delay_a + link.delay_ms + delay_b)``."""
+        if self._namespaces:
+            raise InternetError("connect regions before start()")
+        if link.loss or link.up_mbit is not None:
+            raise ValueError("a path between regions has a delay, a rate and a queue only (no loss, no up_mbit)")
+        if set(h.index for h in first) & set(h.index for h in second):
+            raise ValueError("a host cannot be in both regions")
+        rate_kbit = round(link.rate_mbit * 1000) if link.rate_mbit is not None else 0
+        for a, b in itertools.product(first, second):
+            for source, destination in ((a, b), (b, a)):
+                self._paths.append(f"path:11.0.{source.index}.0/24>11.0.{destination.index}.0/24,"
+                                   f"{round(link.delay_ms * 1000)},{rate_kbit},{round(link.queue_ms * 1000)}")
 
     def start(self) -> Internet:
         check_can_build(nat=any(host.nat for host in self.hosts))
@@ -261,7 +284,8 @@ class Internet:
             loss_ppm = round(host.link.loss * 1_000_000)
             for prefix in (f"11.0.{host.index}.0/24",):
                 rules.append(f"{prefix},{delay_us},{delay_us},{loss_ppm},{loss_ppm}")
-        self._delay_line = subprocess.Popen(["ip", "netns", "exec", self.core, str(binary), "delay", str(self.seed), *rules],
+        self._delay_line = subprocess.Popen(["ip", "netns", "exec", self.core, str(binary), "delay", str(self.seed), *rules,
+                                             *self._paths],
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self._delay_line.stdout.readline()
         if not line:

@@ -19,13 +19,15 @@ class PeerState(Enum):
     """Where a peer is in its life; the value is what its DHT record and ``/status.json`` carry.
 
     joining → syncing → training (⇄ paused) → leaving; a move to another stage goes training →
-    leaving → syncing → training again.
+    leaving → syncing → training again; a global plan that leaves the peer idle, training → standby
+    → syncing (when a later plan names a stage for it) → training.
     """
 
     JOINING = "joining"  # in the DHT, measuring itself, choosing a stage
     SYNCING = "syncing"  # loading its stage's state (from holders, a backup, a checkpoint or the seed)
     TRAINING = "training"  # serving its stage
     PAUSED = "paused"  # holds its stage and state, takes no new work (SIGUSR1, --pause-file)
+    STANDBY = "standby"  # holds no stage: the global plan leaves it idle (peer.standby)
     LEAVING = "leaving"  # announced its leave; finishing in-flight work
 
     def __str__(self) -> str:
@@ -123,6 +125,8 @@ def describe_activity(state: PeerState, *, stage: int, joined: bool, unheld: lis
         return "paused: send SIGUSR1 (or remove the pause file) to resume"
     if state is PeerState.LEAVING:
         return "leaving"
+    if state is PeerState.STANDBY:
+        return "standing by: the swarm's global plan is faster without this peer for now"
     if unheld:
         return f"waiting: stage {unheld[0]} has no holder"
     return f"training stage {stage}"

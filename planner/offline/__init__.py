@@ -13,5 +13,7 @@ describes each of them.
 * ``scenarios``: synthetic swarms (random regions, seed 000 Case 3) for the bench and tests;
 * ``internet`` and ``lifetime``: a stated internet model (regions, home links, GPUs, churn) and an
   event-level simulation of a swarm's life under it with the live join, rebalancing and
-  re-planning rules, at up to 10,000 peers (``bench/global_plan.py``).
+  re-planning rules, at up to 10,000 peers (``bench/global_plan.py``);
+* ``live_plan``: the live global plan rule in that simulation (mode "live_global": ``plan_global``
+  and ``adoption.decide`` every period, peers standing by, the cap of 256 planned peers).
 """

@@ -157,13 +157,18 @@ def churn_trace(rng: np.random.Generator, online: int, horizon_s: float) -> Chur
 
 
 def volunteer_snapshot(volunteers: Volunteers, model: ModelProfile, *, runtime: RuntimeSettings | None = None,
-                       regions: tuple[Region, ...] = REGIONS) -> SwarmSnapshot:
+                       regions: tuple[Region, ...] = REGIONS, peers: np.ndarray | None = None,
+                       peer_ids: list[str] | None = None) -> SwarmSnapshot:
     """The planner's snapshot of ``volunteers`` (all online, all reliable): one-way latency half the
-    round trip above, and the rate of ``p`` to ``q`` ``min(up_p, down_q)``. Peer ids are ``v00000``…"""
+    round trip above, and the rate of ``p`` to ``q`` ``min(up_p, down_q)``. Peer ids are ``v00000``…
+    unless ``peer_ids`` names them. ``peers``: only the volunteers at these indices (in this order)."""
+    if peers is not None:
+        volunteers = Volunteers(**{name: getattr(volunteers, name)[peers] for name in Volunteers.__dataclass_fields__})
     rtt = region_rtt_seconds(regions)[np.ix_(volunteers.region, volunteers.region)]
     rtt = rtt + volunteers.access_rtt_s[:, None] + volunteers.access_rtt_s[None, :]
     bandwidth = np.minimum(volunteers.uplink[:, None], volunteers.downlink[None, :])
-    devices = tuple(Device(peer_id=f"v{i:05d}", flops=float(volunteers.flops[i]), is_reliable=True,
+    ids = peer_ids if peer_ids is not None else [f"v{i:05d}" for i in range(volunteers.count)]
+    devices = tuple(Device(peer_id=ids[i], flops=float(volunteers.flops[i]), is_reliable=True,
                            memory_bytes=int(volunteers.memory_bytes[i])) for i in range(volunteers.count))
     return SwarmSnapshot(devices=devices, links=LinkMatrix(latency_delay=rtt / 2, bandwidth=bandwidth), model=model,
                          runtime=runtime or RuntimeSettings())

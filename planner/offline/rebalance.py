@@ -20,7 +20,11 @@ once per plan in O(n)), so a decision costs O(K * stage size) with small constan
 Rebalance. Greedy single-peer moves onto the bottleneck stage (``refinement.list_moves``, no
 peer is ever dropped), each lowering the bottleneck, up to ``max_moves``. The moves are returned
 only if the bottleneck throughput rises by ``min_gain`` or more; otherwise nothing moves. This is
-the hysteresis that keeps peers from flapping between stages on measurement noise.
+the hysteresis that keeps peers from flapping between stages on measurement noise. The gain is
+the plan's ``estimate_throughput`` over the input plan's: the search scores arrangements with the
+stage roles it assigns itself, and a plan whose frontal and backward servers were chosen otherwise
+can score higher under its own roles than the search's start (a property test found a greedy
+"gain" of 4 % that was a 4 % loss).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import numpy as np
 from planner.assembly import plan_groups
 from planner.costs import (
     StageGroup, count_inflight, estimate_averaging_floor, estimate_averaging_share, estimate_stage_delay,
-    profile_group,
+    estimate_throughput, profile_group, round_per_byte,
 )
 from planner.evaluation import Arrangement, ArrangementScorer
 from planner.refinement import list_moves
@@ -202,7 +206,7 @@ def _joined_group(context: JoinContext, k: int, joiner: int) -> StageGroup:
     return StageGroup(
         servers=servers, clients=clients, flops=snapshot.flops[members],
         memory_bytes=snapshot.memory_bytes[members], offset_delays=offsets, inverse_bandwidths=inverse,
-        averaging_per_byte=2.0 * float(averaging.max()) / count,
+        averaging_per_byte=round_per_byte(float(averaging.max()), count, snapshot.runtime.averaging_period),
     )
 
 
@@ -298,6 +302,10 @@ def plan_rebalance(
     if not np.isfinite(gain) or gain < config.min_gain:
         return RebalanceDecision(plan=plan, moves=(), gain=0.0)
     new_plan = scorer.to_plan(arrangement, bounds)
+    if (before := estimate_throughput(snapshot, plan)) > 0:  # the input plan's own roles (module docstring)
+        gain = estimate_throughput(snapshot, new_plan) / before - 1.0
+        if gain < config.min_gain:
+            return RebalanceDecision(plan=plan, moves=(), gain=0.0)
     moves = tuple(
         Move(peer_id=p, from_stage=plan.stage_of(p), to_stage=new_plan.stage_of(p))
         for p in new_plan.assigned_peer_ids() if plan.stage_of(p) != new_plan.stage_of(p)

@@ -40,7 +40,11 @@ def test_spot_checks_catch_and_ban_the_replica_that_computes_wrong_outputs(local
     assert all(e["blamed"] == e["struck"] == [faulty_id] for e in arbitrated), arbitrated
     matches = [e for e in checks if e["outcome"] == "match"]
     assert matches and all(set(e["peers"]) == honest_ids and e["distance"] < 1e-3 for e in matches)
-    assert not [e for e in checks if e["t"] > banned_at + 2 and faulty_id in e["peers"]]  # nobody asks it any more
+    # nobody asks it any more: no check of a microbatch sent after the ban involves it. (A check of one
+    # sent before the ban may be judged seconds after it: the third replica's recompute, 2.5 s under
+    # the CI rehearsal's load, 2026-12-01.)
+    sent_at = {e["mb_id"]: e["t"] - e["seconds"] for e in sender.events("microbatch")}
+    assert not [e for e in checks if faulty_id in e["peers"] and sent_at.get(e["mb_id"], e["t"]) > banned_at]
     # nothing counted twice: every microbatch id accumulated by at most one stage-1 replica
     counted = collections.Counter(e["mb_id"] for p in stage1 for e in p.events("accumulated") if e["stage"] == 1)
     assert counted and max(counted.values()) == 1

@@ -44,12 +44,21 @@ def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
         assert choose_stage_from_view(spec, snapshot, joined["peer_id"]) == joined["stage"]
     seen_roles = {r["peer_id"]: r["role"] for p in peers for r in p.events("joined")[0]["snapshot"]}
     assert seen_roles[peers[3].events("joined")[0]["peer_id"]] == "unreliable"
-    by_stage = sorted(stage_of(p) for p in peers)
-    assert by_stage == [0, 0, 1, 1], f"concurrent joiners should spread 2 x 2, got {by_stage}"
+    # and all of them saw all four intents: the stage map is the planner's for the four together. With
+    # equal speeds that is 2 x 2; on a loaded machine the speeds measured at once can differ 3x (CI: 25
+    # GFLOP/s for one, 8-13 for three), and then 1 x 3 is the right map, not a pile-up
+    intents = {r.peer_id: r for p in peers for r in map(PeerRecord.from_wire, p.events("joined")[0]["snapshot"])
+               if r.state == "joining"}
+    ids = [p.events("joined")[0]["peer_id"] for p in peers]
+    assert sorted(intents) == sorted(ids), "every joiner should have seen every other's intent"
+    assert [stage_of(p) for p in peers] == [choose_stage_from_view(spec, list(intents.values()), i) for i in ids]
+    assert sorted({stage_of(p) for p in peers}) == [0, 1], "concurrent joiners should spread over both stages"
 
     # replicas of each stage hold bit-identical parameters after every round they shared
     for stage in (0, 1):
         replicas = [p for p in peers if stage_of(p) == stage]
+        if len(replicas) < 2:
+            continue  # a lone replica has nobody to average with (the late joiner joins it below)
         wait_for(lambda: len(common_rounds(replicas)) >= 2, 90, f"two averaging rounds in stage {stage}")
         for at, digests in common_rounds(replicas).items():
             assert len(digests) == 1, f"stage {stage} replicas differ after the round at {at}: {digests}"
@@ -59,13 +68,13 @@ def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
     wait_for(lambda: late.events("state_download") or not late.is_alive(), 90, "the late joiner's download")
     download = late.events("state_download")[0]
     assert download["version"] > 0, "the joiner should get the trained state, not the initial one"
-    # both holders took part: each agreed on the manifest and was given runs, and none failed. One may
-    # deliver no byte only when the end game copied its runs to the other, which finished them first
+    # every holder took part: each agreed on the manifest and was given runs, and none failed. One may
+    # deliver no byte only when the end game copied its runs to another, which finished them first
     # (under the CPU hog the whole 5 MiB pull takes 0.2 s, and a holder's first answer can come late)
     late_stage = late.events("joined")[0]["stage"]
     holders = sorted(p.events("joined")[0]["peer_id"] for p in peers if stage_of(p) == late_stage)
-    assert download["donors"] == holders and not download["failed_donors"], download
-    assert len(download["bytes_by_donor"]) == 2 or download["num_duplicated"] >= 1, download
+    assert download["donors"] == holders and not download["failed_donors"], (download, late.log_tail(30))
+    assert len(download["bytes_by_donor"]) == len(holders) or download["num_duplicated"] >= 1, download
     donor_stage = next(stage_of(p) for p in peers if p.events("joined")[0]["peer_id"] == download["donor"])
     wait_for(lambda: any(e["stage"] == stage_of(late) for e in late.events("status")) and
              late.events("status")[-1]["samples"] > 0, 60, "the late joiner to process microbatches")
@@ -79,5 +88,5 @@ def test_swarm_negotiates_trains_averages_and_admits_a_late_joiner(local_swarm):
     assert last < first - 0.5, f"loss {first:.3f} -> {last:.3f}"
 
     # Ctrl+C: every peer leaves cleanly
-    local_swarm.shutdown(timeout=30)
+    local_swarm.shutdown()
     assert [p.process.returncode for p in peers + [late]] == [0] * 5

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dht.records import BOUNDARY_CODECS, ModelSpec, PeerRecord, RunSpec
-from dht.wire import DTYPE_NAMES, DTYPES, ProtocolError, decode_header, parse_tensor_layouts, read_message
+from dht.striping import STRIPE_KEY, parse_answer_stripe, parse_request_stripe
+from dht.wire import DTYPE_NAMES, DTYPES, ProtocolError, decode_header, decode_message, parse_tensor_layouts, read_message
 from peer.status.http import BadRequest, parse_request_head
 from replication.manifest import Manifest
 from replication.server import require_int, unpack_bytes
@@ -135,6 +136,37 @@ def test_manifest_from_wire_parses_or_raises_value_error(wire):
         Manifest.from_wire(wire)
     except ValueError:
         return
+
+
+@settings(SETTINGS, max_examples=EXAMPLES // 2)
+@given(frames, st.sampled_from([0, 256]))
+def test_decode_message_agrees_with_read_message_or_refuses(data, limit):
+    """A striped call's assembled bytes (dht.striping) are checked as a stream's are: the same message, or a refusal."""
+    try:
+        header, tensors = decode_message(data, max_payload_bytes=limit)
+    except ProtocolError:
+        return
+    assert isinstance(header, dict) and "tensors" not in header
+    assert sum(t.numel() * t.element_size() for t in tensors) <= limit
+    streamed, streamed_tensors = _read(data, limit)  # the whole of it, exactly: a stream reads the same
+    assert streamed == header and all(torch.equal(a, b) for a, b in zip(streamed_tensors, tensors, strict=True))
+
+
+@SETTINGS
+@given(near_valid({STRIPE_KEY: ["ab" * 16, 1, 4, 1000]}, extra=values | st.lists(scalars, max_size=5)))
+def test_stripe_headers_parse_within_their_bounds_or_are_refused(header):
+    try:
+        call_id, index, count, total = parse_request_stripe(header, max_total=10_000)
+    except ProtocolError:
+        pass
+    else:
+        assert len(call_id) == 32 and 0 <= index < count <= 8 and count <= total <= 10_000
+    answer = {"ok": True, STRIPE_KEY: header.get(STRIPE_KEY)}
+    try:
+        total = parse_answer_stripe(answer, index=1, count=4, max_total=10_000)
+    except ProtocolError:
+        return
+    assert type(total) is int and 4 <= total <= 10_000
 
 
 @SETTINGS

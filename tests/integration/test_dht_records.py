@@ -151,3 +151,24 @@ def test_a_run_of_another_protocol_version_is_refused_with_what_to_do(dht_nodes)
         assert (await fetch_spec(reader, "new", timeout=5.0)).protocol_version == PROTOCOL_VERSION
 
     asyncio.run(main())
+
+
+def test_a_daemon_slower_to_start_than_hivemind_s_15_s_still_joins_within_the_join_time(monkeypatch):
+    """A peer starting beside busy training on 2 cores had its libp2p daemon take over hivemind's
+    default 15 s to start (CI 2026-11-28): the daemon may take the whole join time. Its start is
+    delayed here by 16 s in the DHT's own process (forked: the patched class goes with it)."""
+    from hivemind.p2p import P2P
+
+    from dht.node import DHTNodeConfig, open_dht
+
+    make_args = P2P._make_process_args
+
+    def slow_daemon(*args, **kwargs) -> list[str]:
+        return ["sh", "-c", 'sleep 16 && exec "$@"', "slow-daemon", *make_args(*args, **kwargs)]
+
+    monkeypatch.setattr(P2P, "_make_process_args", staticmethod(slow_daemon))
+    dht, _ = open_dht(DHTNodeConfig(start_timeout=60))
+    try:
+        assert dht.peer_id is not None and dht.is_alive()
+    finally:
+        dht.shutdown()

@@ -202,7 +202,7 @@ def test_the_router_sends_encoded_activations_and_returns_the_decoded_gradient(m
     gradient = wide((2, 8, 16), seed=6) * 1e-6
     sent = []
 
-    async def fake_call(p2p, peer_id, handler, header, tensors, *, timeout, max_payload_bytes):
+    async def fake_call(p2p, peer_id, handler, header, tensors, *, timeout, max_payload_bytes, stripes=1):
         sent.append(list(tensors))
         return {"ok": True, "loss": 1.0, "route": header["route"]}, answers.pop(0)
 

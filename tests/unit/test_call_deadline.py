@@ -148,7 +148,7 @@ def routing(clock: FakeClock, *next_stage_peers: str) -> Router:
 
 def fake_call(clock: FakeClock, seconds: float, *, fails: bool = False):
     """A stand-in for ``swarm.router.call_peer`` that takes ``seconds`` on ``clock``, then answers or fails."""
-    async def call(p2p, peer_id, handler, header, tensors=(), *, timeout, max_payload_bytes):
+    async def call(p2p, peer_id, handler, header, tensors=(), *, timeout, max_payload_bytes, stripes=1):
         clock.advance(seconds)
         if fails:
             raise PeerUnavailableError(f"{peer_id} hung up")

@@ -17,7 +17,7 @@ from peer.config_sources import env_name, read_config_file, read_env
 ROOT = Path(__file__).resolve().parents[2]
 BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmBoot"
 # fields whose valid values are a closed set, or which must be consistent with others
-SPECIAL = {"role": "unreliable", "device": "cpu", "log_level": "DEBUG", "run_id": "other-run", "flow_control": "fixed",
+SPECIAL = {"role": "unreliable", "device": "cpu", "log_level": "DEBUG", "run_id": "other-run", "flow_control": "fixed", "stripe_calls": "off",
            "terminal_view": "on", "status_host": "0.0.0.0", "num_stages": 1, "recovery": "restart",
            "aggregation": "mean", "pipeline_schedule": "delayed", "replica_sync": "periodic",
            "run_owner": "0123456789abcdef" * 2, "reachability": "direct", "boundary_codec": "int8",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ from dht.records import ModelSpec, RunSpec
 from peer.config import AGGREGATIONS as CONFIG_AGGREGATIONS
 from peer.config import PeerConfig
 from peer.errors import UserError
-from peer.faults import ALLOW_ENV, FAULTS_ENV, inject_bad_updates, read_faults
+from peer.faults import ALLOW_ENV, FAULTS_ENV, SLOW_DEVICE_FACTOR, inject_bad_updates, inject_slow_device, read_faults
 from swarm.robust import AGGREGATIONS
+from swarm.links import LinkMeter
 from swarm.stage import Stage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +75,21 @@ def test_scale_updates_multiplies_each_step_and_nan_updates_poisons_it(monkeypat
         torch.testing.assert_close(bad - old, 100 * (new - old), rtol=1e-4, atol=1e-6)
     _, poisoned = stepped(nan=True)
     assert all(torch.isnan(p).all() for p in poisoned)
+
+
+def test_slow_device_reports_a_thousandth_of_its_compute_and_goodput_and_ten_times_its_round_trips(monkeypatch):
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    links = LinkMeter()
+    links.round_trip("b", 0.02)
+    links.transfer("b", 1_000_000, 0.1)  # 80 Mbit/s
+    links.round_trip("c", 0.05)  # no goodput measured
+    peer = SimpleNamespace(flops=2e10, ctx=SimpleNamespace(links=links))
+    inject_slow_device(peer)
+    figures = {f.peer_id: f for f in links.summary()}
+    assert peer.flops == 2e10 / SLOW_DEVICE_FACTOR
+    assert figures["b"].mbit_per_s == pytest.approx(80 / SLOW_DEVICE_FACTOR, abs=0.01) and figures["b"].rtt_ms == pytest.approx(200, rel=0.01)
+    assert figures["c"].mbit_per_s == 0.05 and figures["c"].rtt_ms == pytest.approx(500, rel=0.01)
+    assert read_faults({ALLOW_ENV: "1", FAULTS_ENV: "slow_device"}) == {"slow_device": ""}
 
 
 def test_aggregation_option():

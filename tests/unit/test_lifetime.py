@@ -7,12 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dht.records import even_stage_layers
+from dht.layouts import even_stage_layers
 from planner.costs import estimate_throughput
 from planner.offline.internet import (
     REGIONS, ChurnTrace, churn_trace, draw_volunteers, great_circle_km, region_rtt_seconds,
 )
-from planner.offline.lifetime import LifetimeConfig, _Fleet, _Swarm, even_layers, fleet_throughput, simulate_lifetime
+from planner.offline.lifetime import (
+    LifetimeConfig, StepSettings, _Fleet, _Swarm, even_layers, fleet_throughput, simulate_lifetime,
+)
 from planner.offline.scenarios import build_transformer_profile
 from planner.plan import Plan, Stage
 from planner.runtime import RuntimeSettings
@@ -54,10 +56,13 @@ def test_the_even_layout_is_the_bootstraps():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_fleet_throughput_is_the_cost_model_of_the_same_swarm(seed):
+@pytest.mark.parametrize(("period", "is_flushing"), [(1e12, False), (1e12, True), (0.0, False), (0.0, True),
+                                                     (5.0, False), (5.0, True)])
+def test_the_fleet_throughput_is_the_cost_model_of_the_same_swarm(seed, period, is_flushing):
     """Per-stage sums give ``planner.costs.estimate_throughput`` of the plan with every peer a server,
-    links at the sender's uplink (no downlink binds), round trips from the internet model and no
-    averaging traffic."""
+    links at the sender's uplink (no downlink binds) and round trips from the internet model: without
+    averaging (a period of 1e12 s), with a gradient exchange every step (0) or rounds every 5 s, steps
+    overlapping or flushed."""
     rng = np.random.default_rng(seed)
     count, num_stages = 12, 3
     volunteers = draw_volunteers(rng, count)
@@ -69,19 +74,41 @@ def test_the_fleet_throughput_is_the_cost_model_of_the_same_swarm(seed):
         fleet.add(int(stage_of[peer]), peer, trace)
     stage_costs = np.array([sum(MODEL.layer_flops[a:b]) for a, b in layers])
     boundary = np.array([MODEL.layer_activation_bytes[b - 1] for _, b in layers[:-1]])
+    param_bytes = np.array([sum(MODEL.layer_param_bytes[a:b]) for a, b in layers])
+    step = StepSettings(param_bytes=param_bytes, period=period, num_microbatches=MODEL.num_microbatches,
+                        is_flushing=is_flushing)
     ours = fleet_throughput(fleet, stage_costs, boundary, region_rtt_seconds(), microbatch_size=MODEL.microbatch_size,
-                            max_in_flight=4)
+                            max_in_flight=4, step=step)
     rtt = region_rtt_seconds()[volunteers.region][:, volunteers.region]
     latency = (rtt + volunteers.access_rtt_s[:, None] + volunteers.access_rtt_s[None, :]) / 2
     bandwidth = np.repeat(volunteers.uplink[:, None], count, axis=1)
     devices = tuple(Device(peer_id=f"{p:03d}", flops=float(volunteers.flops[p]), memory_bytes=1 << 40, is_reliable=True)
                     for p in range(count))
     snapshot = SwarmSnapshot(devices=devices, links=LinkMatrix(latency_delay=latency, bandwidth=bandwidth), model=MODEL,
-                             runtime=RuntimeSettings(averaging_period=1e12))
+                             runtime=RuntimeSettings(averaging_period=period, is_flushing=is_flushing))
     plan = Plan(stages=tuple(Stage(layer_start=a, layer_end=b,
                                    server_ids=tuple(f"{p:03d}" for p in range(count) if stage_of[p] == k))
                              for k, (a, b) in enumerate(layers)))
     assert ours == pytest.approx(estimate_throughput(snapshot, plan), rel=1e-9)
+
+
+def test_a_stages_slowest_uplink_follows_its_members_as_they_come_and_go():
+    volunteers = draw_volunteers(np.random.default_rng(5), 6)
+    trace = ChurnTrace(volunteers=volunteers, arrive_s=np.zeros(6), horizon_s=1.0)
+    fleet = _Fleet(1, len(REGIONS))
+    assert fleet.slowest_uplink(0) == float("inf") and fleet.averaging_per_byte(0.0)[0] == 0.0
+    order = list(np.argsort(volunteers.uplink))  # slowest first
+    for peer in order:
+        fleet.add(0, int(peer), trace)
+    for gone in order[:-1]:  # the slowest leaves each time
+        fleet.add(0, int(gone), trace, sign=-1.0)
+        left = [p for p in order if p not in order[: order.index(gone) + 1]]
+        assert fleet.slowest_uplink(0) == min(volunteers.uplink[p] for p in left)
+    assert fleet.averaging_per_byte(0.0)[0] == 0.0  # one member left: no round
+    fleet.add(0, int(order[0]), trace)
+    fleet.add(0, int(order[1]), trace)  # three replicas: an exchange every step sends two sums, a butterfly 4 / 3
+    assert fleet.averaging_per_byte(0.0)[0] == pytest.approx(2 / volunteers.uplink[order[0]])
+    assert fleet.averaging_per_byte(15.0)[0] == pytest.approx(2 * (2 / 3) / volunteers.uplink[order[0]])
 
 
 def test_the_join_sums_pick_what_the_live_rule_picks_at_every_arrival():

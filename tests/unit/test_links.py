@@ -10,8 +10,8 @@ import pytest
 
 from dht.link_figures import MAX_LINK_FIGURES, LinkFigure, links_from_wire
 from dht.records import PeerRecord
-from swarm.failure_detector import FailureDetector, PhiAccrual
-from swarm.links import GOODPUT_SAMPLES, MIN_TRANSFER_BYTES, LinkMeter
+from swarm.failure_detector import FailureDetector, PhiAccrual, refusal_kind
+from swarm.links import GOODPUT_SAMPLES, MIN_RTT_SAMPLES, MIN_TRANSFER_BYTES, LinkMeter
 from swarm.view import SwarmView
 
 
@@ -40,6 +40,19 @@ def test_round_trips_are_smoothed_as_tcp_does_and_the_timeout_follows_a_queue_th
     assert meter.retransmit_timeout("b") > 1.2
 
 
+def test_the_least_round_trip_stands_for_the_path_once_a_few_were_seen_and_ignores_queues():
+    meter = LinkMeter(clock=Clock())
+    meter.round_trip("b", 0.5)  # a new connection's first pings are slow
+    for _ in range(MIN_RTT_SAMPLES - 2):
+        meter.round_trip("b", 0.2)
+    assert meter.min_rtt("b") is None  # too few to stand for the path (a loopback peer's first calls were striped)
+    meter.round_trip("b", 0.003)
+    assert meter.min_rtt("b") == 0.003
+    meter.round_trip("b", 2.0)  # a queue: the smoothed figure moves, the path's does not
+    assert meter.min_rtt("b") == 0.003 and meter.rtt("b") > 0.2
+    assert meter.min_rtt("c") is None
+
+
 def test_goodput_is_the_median_of_large_transfers_and_small_ones_do_not_count():
     meter = LinkMeter(clock=Clock())
     meter.transfer("b", MIN_TRANSFER_BYTES - 1, 0.001)
@@ -66,6 +79,20 @@ def test_heard_since_and_bounded_memory():
         meter.round_trip(peer, 0.05)
     assert not meter.heard_since("a", 0.0), "the least recently heard peer is forgotten first"
     assert meter.rtt("d") is not None
+
+
+def test_a_bulk_send_counts_while_under_way_and_since_it_ended():
+    clock = Clock()
+    meter = LinkMeter(clock=clock)
+    assert not meter.sent_since("a", 0.0)
+    with meter.sending("a"), meter.sending("a"):  # two pushes at once (gradients, then a state)
+        clock.now += 5
+        assert meter.sent_since("a", clock.now) and not meter.sent_since("b", 0.0)
+    clock.now += 1
+    assert meter.sent_since("a", clock.now - 1) and not meter.sent_since("a", clock.now)
+    with pytest.raises(RuntimeError), meter.sending("a"):
+        raise RuntimeError("a push that failed still ends")
+    assert not meter.sent_since("a", clock.now + 0.5)
 
 
 def test_the_summary_is_bounded_rounded_and_round_trips_through_a_record():
@@ -180,6 +207,21 @@ def test_a_silent_ping_is_no_strike_while_other_traffic_of_that_peer_arrives():
     asyncio.run(scenario())
 
 
+def test_a_silent_ping_is_no_strike_while_this_peer_pushes_to_that_peer():
+    """The ping queues behind the push's bytes (CI 2026-11-28: two late pings behind a gradient push
+    into a downlink busy with a backup pull declared a live co-replica down)."""
+    async def scenario():
+        detector = ScriptedDetector(acceptable_pause=0.0)
+        detector.monitors["b"] = PhiAccrual()
+        with detector.links.sending("b"):
+            await detector._ping("b", 0.02)
+        assert detector._failed["b"] == 0 and not detector.downs
+        await asyncio.sleep(0.01)  # the push ended before this ping left: silence counts again
+        await detector._ping("b", 0.02)
+        assert detector.downs == ["b"]
+    asyncio.run(scenario())
+
+
 def test_a_peer_nobody_can_dial_is_not_pinged_its_record_tells_instead():
     detector = FailureDetector(None, SwarmView(None, "run"), peer_id="me", stage=0, handler="h", on_down=lambda *a: None)
     detector.view.records = [
@@ -233,4 +275,38 @@ def test_a_ping_stuck_on_its_stream_is_answered_by_a_second_one_on_a_fresh_strea
         assert StuckFirst.calls == 2 and detector.num_pings == 2
         assert detector._failed["b"] == 0 and not detector.downs
         assert time.monotonic() - started < 5.0  # the answer came, not the end of the pause
+    asyncio.run(scenario())
+
+
+CONNECT_FAILED = "ControlFailure: Connect failed. msg=failed to dial: failed to dial 12D3KooWQ: all dials failed\n"
+
+
+def test_a_dial_whose_handshake_failed_is_no_strike_and_its_backoff_is_none_either():
+    """Two dials crossing in flight meet in one TCP connection and both handshakes fail (a live daemon
+    answered): inconclusive, and so are the "dial backoff" refusals libp2p gives for 5 s after it; a
+    dial that nothing answered (a crashed peer's port) is refused, and so is its backoff."""
+    collided = CONNECT_FAILED + "  * [/ip4/11.0.2.2/tcp/36165] failed to negotiate security protocol: noise: message is too short"
+    backoff = CONNECT_FAILED + "  * [/ip4/11.0.2.2/tcp/36165] dial backoff"
+    crashed = CONNECT_FAILED + "  * [/ip4/11.0.2.2/tcp/36165] dial tcp4 11.0.2.2:36165: connect: connection refused"
+    assert refusal_kind(collided, None) == "inconclusive"
+    assert refusal_kind(backoff, "inconclusive") == "inconclusive"
+    assert refusal_kind(crashed, "inconclusive") == "refused"
+    assert refusal_kind(backoff, "refused") == "refused" and refusal_kind(backoff, None) == "refused"
+    assert refusal_kind("PeerUnavailableError: stream reset", None) == "refused"
+    two = CONNECT_FAILED + "  * [/ip4/1.2.3.4/tcp/1] dial backoff\n  * [/ip4/5.6.7.8/tcp/2] connect: connection refused"
+    assert refusal_kind(two, "inconclusive") == "refused"  # one address was really tried
+
+
+def test_inconclusive_pings_never_declare_a_peer_down_and_a_refusal_after_them_still_strikes():
+    async def scenario():
+        detector = ScriptedDetector(acceptable_pause=0.0)
+        detector.monitors["b"] = PhiAccrual()
+        for _ in range(4):
+            await detector.answers.put("inconclusive")
+            await detector._ping("b", 1.0)
+        assert detector._failed["b"] == 0 and not detector.downs
+        for _ in range(2):
+            await detector.answers.put("refused")
+            await detector._ping("b", 1.0)
+        assert detector.downs == ["b"]
     asyncio.run(scenario())

@@ -7,6 +7,8 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+from hivemind.averaging.partition import AllreduceException
+
 from peer.logs import configure_logging
 
 
@@ -102,3 +104,73 @@ def test_a_stream_the_other_side_reset_is_one_line_without_its_traceback_unless_
         _handle_stream(streams, ConnectionResetError(104, "Connection reset by peer"))
         assert capture.records[2].exc_info is not None
         assert sum(type(f).__name__ == "_ResetStreamFilter" for f in streams.filters) == 1
+
+
+def await_cancelled(logger: logging.Logger, error: BaseException, task: str) -> None:  # as hivemind's
+    try:
+        raise error
+    except BaseException:
+        logger.exception(f"Exception in {task}:")
+
+
+def test_hivemind_s_matchmaking_race_is_one_warning_without_its_traceback_unless_debugging():
+    tasks = logging.getLogger("hivemind.utils.asyncio")
+    race = "<Task finished name='Task-806' coro=<Matchmaking._request_join_potential_leaders() done> exception=AssertionError()>"
+    with _captured(tasks) as capture:
+        configure_logging("INFO")
+        configure_logging("INFO")  # a second set-up adds no second filter
+        await_cancelled(tasks, AssertionError(), race)
+        await_cancelled(tasks, AssertionError(), "<Task finished coro=<Something.else()>>")  # keeps its traceback
+        await_cancelled(tasks, ValueError("a bug"), race)  # another error keeps its traceback
+        assert capture.records[0].exc_info is None and capture.records[0].levelno == logging.WARNING
+        assert "matchmaking" in capture.records[0].getMessage()
+        assert capture.records[1].exc_info is not None and capture.records[2].exc_info is not None
+        configure_logging("DEBUG")
+        await_cancelled(tasks, AssertionError(), race)
+        assert capture.records[3].exc_info is not None and capture.records[3].levelno == logging.ERROR
+        assert sum(type(f).__name__ == "_MatchmakingRaceFilter" for f in tasks.filters) == 1
+
+
+def test_a_collected_hivemind_stream_task_is_one_warning_unless_debugging(capsys):
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    pending = ("Task was destroyed but it is pending!\ntask: <Task pending name='Task-129' coro=<ControlClient._handler() "
+               "running at /x/site-packages/hivemind/p2p/p2p_daemon_bindings/control.py:154>>")
+    try:
+        configure_logging("INFO")
+        logging.getLogger("asyncio").error(pending)
+        try:
+            raise RuntimeError("cannot reuse already awaited coroutine")
+        except RuntimeError:
+            logging.getLogger("asyncio").error("Unhandled exception in client_connected_cb\ntransport: <T>", exc_info=True)
+        reset = ("Task exception was never retrieved\nfuture: <Task finished coro=<P2P._iterate_protobuf_stream_handler"
+                 ".<locals>._write_to_stream() done, defined at /x/site-packages/hivemind/p2p/p2p_daemon.py:491>>")
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionResetError:
+            logging.getLogger("asyncio").error(reset, exc_info=True)
+        logging.getLogger("asyncio").error("Task was destroyed but it is pending!\ntask: <Task coro=<ours() at /x/peer/a.py:1>>")
+        try:
+            raise ValueError("a bug in hivemind's task")
+        except ValueError:
+            logging.getLogger("asyncio").error(reset, exc_info=True)
+        shown = capsys.readouterr().err.splitlines()
+        failed_part = ("Task exception was never retrieved\nfuture: <Task finished name='Task-724' coro=<AllReduceRunner."
+                       "_communicate_with_peer() done, defined at /x/site-packages/hivemind/averaging/allreduce.py:201>>")
+        try:
+            raise AllreduceException("12D3KooWSYFV sent INTERNAL_ERROR")
+        except AllreduceException:
+            logging.getLogger("asyncio").error(failed_part, exc_info=True)
+        part = capsys.readouterr().err
+        assert part.startswith(part.split(" ", 1)[0] + " W ") and "failed averaging round" in part
+        assert "INTERNAL_ERROR" in part and "Traceback" not in part and part.count("\n") == 1
+        assert [line.split(" ", 2)[1] for line in shown[:3]] == ["W", "W", "W"]
+        assert "collected (harmless)" in shown[0] and "Traceback" not in "\n".join(shown[:3])
+        assert " E " in shown[3] and "ours()" in shown[4]  # a task of ours destroyed pending stays an error
+        assert any(" E " in line and "never retrieved" in line for line in shown[5:])  # another error keeps it
+        assert "a bug in hivemind's task" in "\n".join(shown[5:])
+        configure_logging("DEBUG")
+        logging.getLogger("asyncio").error(pending)
+        assert " E " in capsys.readouterr().err
+    finally:
+        root.handlers[:], root.level = handlers, level

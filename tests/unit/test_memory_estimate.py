@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from bench.stage_memory import measure_step_peak
-from dht.records import ModelSpec, RunSpec, even_stage_layers
+from dht.layouts import even_stage_layers
+from dht.records import ModelSpec, RunSpec
 from peer.memory_model import (FIXED_OVERHEAD_BYTES, memory_table, stage_bound_bytes, stage_memory,
                                stage_memory_bytes)
 from swarm.presets import PRESETS, preset
@@ -52,7 +53,10 @@ def measured_peaks() -> dict[tuple, int]:
         return dict(zip(MEASURED, pool.map(measure, MEASURED), strict=True))
 
 
-@pytest.mark.timeout(300)
+# the first test also measures (the module's fixture): 77 s in a CI rehearsal, over 300 s beside the
+# Byzantine test's two swarms at once (ten CPU-bound processes on two cores, 2026-11-28); each of the
+# ten measurements is bounded at 120 s, two at a time
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", MEASURED, ids=lambda c: f"{c[0]}-mb{c[1]}-stage{c[2]}{'-checkpointed' * c[3]}-{c[4]}")
 def test_the_estimate_is_within_15_percent_of_a_measured_step(measured_peaks, case):
     name, microbatch_size, stage, checkpointing, precision = case

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dht.records import ModelSpec, RunSpec, even_stage_layers
+from dht.layouts import even_stage_layers
+from dht.records import ModelSpec, RunSpec
 from swarm.model import StageModel, next_token_loss, stage_flops_per_sample, stage_num_params
 
 TINY = ModelSpec(d_model=32, num_layers=4, num_heads=4, seq_len=16)

@@ -59,6 +59,16 @@ def test_no_backup_is_needed_with_two_holders_or_with_nowhere_to_keep_one():
     assert assign_backups(3, []) == {}
 
 
+def test_a_stage_no_other_stage_can_keep_is_kept_by_the_first_peer_standing_by():
+    """A one-stage layout of the global plan (peer.standby): the peer standing by that would take the
+    stage if its holder crashed keeps its copy; holders of other stages still come first."""
+    assert assign_backups(1, [member("m", 0)], standby=["s2", "s1"]) == {0: BackupDuty(stage=0, holder_id="m", keeper_id="s1")}
+    assert assign_backups(3, [member("a", 1)], standby=["s1"]) == {1: BackupDuty(stage=1, holder_id="a", keeper_id="s1")}
+    assert assign_backups(2, [member("a", 0), member("b", 1)], standby=["s1"]) == assign_backups(2, [member("a", 0), member("b", 1)])
+    assert assign_backups(1, [member("m", 0), member("n", 0)], standby=["s1"]) == {}  # two holders back each other up
+    assert assign_backups(1, [member("m", 0)], standby=["m"]) == {}  # a holder is not standing by
+
+
 @settings(max_examples=300, deadline=None)
 @given(swarms)
 def test_backup_duties_hold_their_invariants(swarm):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.costs import estimate_throughput
-from planner.baselines import plan_even, plan_petals, plan_swarm
+from planner.costs import estimate_group_costs, estimate_throughput, profile_group, throughput_of
+from planner.baselines import _deal, _even_bounds, _fits, _to_plan, plan_even, plan_petals, plan_swarm
+from planner.canonical import canonicalize
 from planner.partition import plan_partition
 from planner.offline.scenarios import build_case3_snapshot, build_region_snapshot, build_transformer_profile
 from planner.simulator import SimulationConfig, simulate_plan
@@ -46,3 +47,40 @@ def test_ours_beats_even_in_simulated_case3() -> None:
     ours = simulate_plan(snapshot, plan_partition(snapshot, rng=np.random.default_rng(0)), config, rng=np.random.default_rng(0))
     even = simulate_plan(snapshot, plan_even(snapshot), config, rng=np.random.default_rng(0))
     assert ours.throughput > 1.3 * even.throughput
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_canonical_snapshot_is_its_own_canonical_form(seed: int) -> None:
+    """``is_canonical`` skips the colouring of a snapshot that ``canonicalize`` made: that is
+    right only because such a snapshot canonicalises to itself, every name its own."""
+    rng = np.random.default_rng(seed)
+    snapshot = build_region_snapshot(rng, num_devices=14, num_regions=3, model=MODEL, unreliable_fraction=0.3)
+    canonical, _ = canonicalize(snapshot)
+    again, names = canonicalize(canonical)
+    assert names == tuple(device.peer_id for device in canonical.devices)
+    assert again.devices == canonical.devices
+    assert np.array_equal(again.links.latency_delay, canonical.links.latency_delay)
+    assert np.array_equal(again.links.bandwidth, canonical.links.bandwidth)
+    for baseline in (plan_even, plan_petals, plan_swarm):
+        assert baseline(canonical, is_canonical=True) == baseline(canonical)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_even_partition_scores_groups_as_its_plan(seed: int) -> None:
+    """The even baseline scores each stage count without building its Plan, and skips counts whose
+    members cannot hold their stage: the figures must be the Plan's, a skipped count worth 0, and
+    the count it keeps the best of all counts."""
+    rng = np.random.default_rng(seed)
+    snapshot = build_region_snapshot(
+        rng, num_devices=12, num_regions=2, model=MODEL, unreliable_fraction=0.3, memory_range_bytes=(2e9, 12e9),
+    )
+    canonical, _ = canonicalize(snapshot)
+    chosen = estimate_throughput(canonical, plan_even(canonical, is_canonical=True))
+    for num_stages in range(1, len(canonical.reliable_indices()) + 1):
+        groups, bounds = _deal(canonical, num_stages), _even_bounds(MODEL.num_layers, num_stages)
+        plan = _to_plan(canonical, groups, bounds)
+        profiles = [profile_group(canonical, np.array(s), np.array(c, dtype=np.int64)) for s, c in groups]
+        scored = throughput_of(canonical, estimate_group_costs(canonical, profiles, (0,) + bounds))
+        assert scored == estimate_throughput(canonical, plan)
+        assert _fits(canonical, groups, bounds) or scored == 0.0  # a count that does not fit is skipped
+        assert scored <= chosen

@@ -11,15 +11,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from planner.costs import (
-    estimate_averaging_floor, estimate_stage_costs, estimate_stage_delay, estimate_throughput, fill_workload,
-    profile_group,
+    estimate_averaging_floor, estimate_stage_costs, estimate_stage_delay, estimate_link_terms, estimate_throughput,
+    fill_workload, fill_workloads, profile_group,
 )
-from planner.layer_split import build_cost_matrix, split_layers
+from planner.layer_split import build_cost_matrix, compute_range_delays, split_layers
 from planner.evaluation import ArrangementScorer
 from planner.offline.scenarios import build_region_snapshot, build_transformer_profile
 from planner.plan import Plan, Stage
 from planner.runtime import RuntimeSettings
 from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot
+
+
+MODEL_FOR_LINKS = build_transformer_profile(num_layers=6, hidden_size=2048, sequence_length=1024)
 
 
 def _two_device_snapshot(flops: tuple[float, float], memory_bytes: int = 10**12) -> SwarmSnapshot:
@@ -108,11 +111,13 @@ def test_fill_workload_reports_infeasible_caps() -> None:
     assert finish == float("inf")
 
 
+@pytest.mark.parametrize("flushing", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_layer_split_dp_matches_enumeration(seed: int) -> None:
+def test_layer_split_dp_matches_enumeration(seed: int, flushing: bool) -> None:
     rng = np.random.default_rng(seed)
     model = build_transformer_profile(num_layers=6, hidden_size=4096, sequence_length=1024)
     snapshot = build_region_snapshot(rng, num_devices=5, num_regions=2, model=model, unreliable_fraction=0.3)
+    snapshot = replace(snapshot, runtime=replace(snapshot.runtime, is_flushing=flushing))
     reliable = snapshot.reliable_indices()
     unreliable = snapshot.unreliable_indices()
     arrangement = [((r,), tuple(unreliable) if k == 0 else ()) for k, r in enumerate(reliable[:3])]
@@ -126,7 +131,7 @@ def test_layer_split_dp_matches_enumeration(seed: int) -> None:
     assert cost == pytest.approx(best)
     assert float(scorer.stage_costs(arrangement, bounds).max()) == pytest.approx(cost)
     plan = scorer.to_plan(arrangement, bounds)
-    scored_bounds, scored = scorer.score(arrangement)  # the split's bottleneck, then the window bound
+    scored_bounds, scored = scorer.score(arrangement)  # the split's bottleneck, then the window bound (or the flush)
     assert scored_bounds == bounds and scored >= cost
     if np.isfinite(cost):
         assert estimate_throughput(snapshot, plan) == pytest.approx(model.microbatch_size / scored)
@@ -150,3 +155,123 @@ def test_vectorised_stage_matrix_matches_scalar_model(seed: int, inflight: int) 
             expected, _ = estimate_stage_delay(model, group, a, b, num_inflight=inflight)
             expected = max(expected, estimate_averaging_floor(model, group, a, b, runtime=snapshot.runtime))
             assert matrix[a, b] == pytest.approx(expected, rel=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), num_rows=st.integers(1, 12), num_devices=st.integers(1, 9))
+def test_batched_water_filling_is_row_by_row_water_filling(seed: int, num_rows: int, num_devices: int) -> None:
+    """``fill_workloads`` works on the pending rows only: each row's result must be exactly what
+    the row gets alone, and match the scalar ``fill_workload``."""
+    rng = np.random.default_rng(seed)
+    offsets = np.where(rng.random(num_devices) < 0.3, 0.0, rng.uniform(0.0, 2.0, num_devices))
+    per_sample = rng.uniform(0.1, 3.0, (num_rows, num_devices))
+    caps = np.where(rng.random((num_rows, num_devices)) < 0.2, 0.0, rng.uniform(0.0, 4.0, (num_rows, num_devices)))
+    total = float(rng.uniform(0.5, 8.0))
+    batched = fill_workloads(offsets, per_sample, caps, total)
+    for row in range(num_rows):
+        alone = fill_workloads(offsets, per_sample[row: row + 1], caps[row: row + 1], total)
+        assert batched[row] == alone[0]
+        finish, _ = fill_workload(offsets, per_sample[row], caps[row], total)
+        assert batched[row] == pytest.approx(finish, rel=1e-9) or np.isinf(finish) == np.isinf(batched[row])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_range_delays_skip_ranges_no_server_holds(seed: int) -> None:
+    """Ranges whose weights no server can hold are inf without being filled; the others are
+    what the scalar stage delay gives."""
+    rng = np.random.default_rng(seed)
+    model = build_transformer_profile(num_layers=6, hidden_size=4096, sequence_length=1024)
+    snapshot = build_region_snapshot(
+        rng, num_devices=7, num_regions=2, model=model, unreliable_fraction=0.4, memory_range_bytes=(2e9, 7e9),
+    )
+    group = profile_group(
+        snapshot, np.array(snapshot.reliable_indices()[:2]), np.array(snapshot.unreliable_indices(), dtype=np.int64)
+    )
+    starts, ends = np.triu_indices(7, k=1)
+    delays = compute_range_delays(model, group, starts, ends, num_inflight=3)
+    assert np.isinf(delays).any() and np.isfinite(delays).any()
+    for a, b, delay in zip(starts.tolist(), ends.tolist(), delays.tolist()):
+        expected, _ = estimate_stage_delay(model, group, a, b, num_inflight=3)
+        assert delay == pytest.approx(expected, rel=1e-9) or (np.isinf(delay) and np.isinf(expected))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_memoised_scorer_scores_like_a_fresh_one(seed: int) -> None:
+    """The scorer memoises profiles and link terms across arrangements: after scoring many
+    arrangements that share groups, each score is exactly a fresh scorer's."""
+    rng = np.random.default_rng(seed)
+    model = build_transformer_profile(num_layers=6, hidden_size=4096, sequence_length=1024)
+    snapshot = build_region_snapshot(rng, num_devices=9, num_regions=3, model=model, unreliable_fraction=0.4)
+    reliable, unreliable = snapshot.reliable_indices(), snapshot.unreliable_indices()
+    shared = ArrangementScorer(snapshot)
+    for _ in range(12):
+        servers = rng.permutation(reliable)
+        cut = int(rng.integers(1, len(servers))) if len(servers) > 1 else 1
+        clients = [c for c in unreliable if rng.random() < 0.5]
+        arrangement = [
+            (tuple(sorted(servers[:cut].tolist())), tuple(clients)),
+            (tuple(sorted(servers[cut:].tolist())), ()),
+        ]
+        arrangement = [stage for stage in arrangement if stage[0]]
+        assert shared.score(arrangement) == ArrangementScorer(snapshot).score(arrangement)
+        bounds, _ = shared.score(arrangement)
+        fresh = ArrangementScorer(snapshot)
+        assert shared.score_with_bounds(arrangement, bounds) == fresh.score_with_bounds(arrangement, bounds)
+        assert shared.round_trip(arrangement, bounds) == fresh.round_trip(arrangement, bounds)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ranges_with_equal_figures_are_filled_once_with_the_same_result(seed: int) -> None:
+    """``compute_range_delays`` fills each distinct set of range figures once (identical layers
+    give many): every range's delay must be exactly what it gets computed alone."""
+    rng = np.random.default_rng(seed)
+    model = build_transformer_profile(num_layers=8, hidden_size=2048, sequence_length=1024)
+    snapshot = build_region_snapshot(rng, num_devices=8, num_regions=2, model=model, unreliable_fraction=0.4)
+    group = profile_group(
+        snapshot, np.array(snapshot.reliable_indices()[:3]), np.array(snapshot.unreliable_indices(), dtype=np.int64)
+    )
+    starts, ends = np.triu_indices(9, k=1)
+    delays = compute_range_delays(model, group, starts, ends, num_inflight=2)
+    for a, b, delay in zip(starts.tolist(), ends.tolist(), delays.tolist()):
+        alone = compute_range_delays(model, group, np.array([a]), np.array([b]), num_inflight=2)
+        assert delay == alone[0] or (np.isnan(delay) and np.isnan(alone[0]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_group_profile_and_link_terms_read_the_cached_link_figures_exactly(seed: int) -> None:
+    """``profile_group`` and ``estimate_link_terms`` read the snapshot's cached ``1 / beta`` and
+    two-way means: their figures must be exactly those from the raw matrices."""
+    rng = np.random.default_rng(seed)
+    snapshot = build_region_snapshot(rng, num_devices=11, num_regions=3, model=MODEL_FOR_LINKS, unreliable_fraction=0.4)
+    latency, bandwidth = snapshot.links.latency_delay, snapshot.links.bandwidth
+    order = rng.permutation(11)
+    servers, clients, receivers = np.sort(order[:3]), np.sort(order[3:8]), np.sort(order[8:])
+    group = profile_group(snapshot, servers, clients)
+    alpha = (latency[np.ix_(clients, servers)] + latency[np.ix_(servers, clients)].T) / 2
+    per_byte = (1.0 / bandwidth[np.ix_(clients, servers)] + 1.0 / bandwidth[np.ix_(servers, clients)].T) / 2
+    ratio = snapshot.runtime.boundary_compression_ratio
+    members = np.concatenate([servers, clients])
+    assert np.array_equal(group.offset_delays[3:], 4.0 * alpha.mean(axis=1))
+    assert np.array_equal(group.inverse_bandwidths[3:], 2.0 * ratio * per_byte.mean(axis=1))
+    assert group.averaging_per_byte == 2.0 * float((1.0 / bandwidth[np.ix_(members, servers)]).mean(axis=1).max())
+    terms = estimate_link_terms(snapshot, servers, receivers)
+    scale = ratio / min(servers.size, receivers.size)
+    assert terms.forward_per_byte == float((1.0 / bandwidth[np.ix_(servers, receivers)]).mean()) * scale
+    assert terms.backward_per_byte == float((1.0 / bandwidth[np.ix_(receivers, servers)]).mean()) * scale
+    assert not snapshot.links.inverse_bandwidth.flags.writeable
+
+
+def test_the_exchange_every_step_costs_each_replica_a_send_to_every_other_not_a_butterflys_share() -> None:
+    """Under ``averaging_period`` 0 the runtime's replicas each send their whole gradient sum to every
+    co-replica (swarm.gradient_sync): at n replicas that is n / 2 times a butterfly all-reduce's bytes,
+    which periodic rounds (hivemind) use. Two replicas cost the same either way."""
+    rng = np.random.default_rng(7)
+    snapshot = build_region_snapshot(rng, num_devices=6, num_regions=2, model=MODEL_FOR_LINKS, unreliable_fraction=0.0)
+    inverse = 1.0 / snapshot.links.bandwidth
+    every_step = replace(snapshot, runtime=replace(snapshot.runtime, averaging_period=0.0))
+    for servers in (np.array([0, 3]), np.array([0, 1, 4]), np.arange(6)):
+        sums = inverse[np.ix_(servers, servers)].sum(axis=1).max()  # the diagonal's 1 / inf is 0
+        exchange = profile_group(every_step, servers, np.array([], dtype=np.int64)).averaging_per_byte
+        butterfly = profile_group(snapshot, servers, np.array([], dtype=np.int64)).averaging_per_byte
+        assert exchange == pytest.approx(sums) and butterfly == pytest.approx(2 * sums / servers.size)
+        assert exchange == pytest.approx(butterfly * servers.size / 2)

@@ -39,7 +39,7 @@ QUICK = GlobalPlanConfig(
 
 
 def _simulate(snapshot: SwarmSnapshot, plan: Plan, config: GlobalPlanConfig = QUICK) -> float:
-    return simulate_plan(snapshot, plan, simulation_config(config, snapshot.model), rng=np.random.default_rng(0)).throughput
+    return simulate_plan(snapshot, plan, simulation_config(config, snapshot), rng=np.random.default_rng(0)).throughput
 
 
 def _edge_swarm(seed: int = 2) -> SwarmSnapshot:
@@ -104,7 +104,7 @@ def test_a_plan_that_does_not_fit_is_worth_nothing_anywhere() -> None:
     whole = Plan(stages=(Stage(layer_start=0, layer_end=24, server_ids=(reliable_small.peer_id,)),))
     assert not is_within_memory(snapshot, whole)
     assert estimate_throughput(snapshot, whole) == 0.0
-    result = simulate_plan(snapshot, whole, simulation_config(QUICK, snapshot.model), rng=np.random.default_rng(0))
+    result = simulate_plan(snapshot, whole, simulation_config(QUICK, snapshot), rng=np.random.default_rng(0))
     assert result.throughput == 0.0 and not result.is_within_memory
     tiny = replace(snapshot, devices=tuple(replace(d, memory_bytes=GIGABYTE) for d in snapshot.devices))
     with pytest.raises(ValueError, match="fits in memory"):

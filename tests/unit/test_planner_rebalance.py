@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from planner.costs import estimate_throughput
@@ -96,6 +96,7 @@ def test_hysteresis_blocks_small_gains() -> None:
 
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10**6))
+@example(seed=222657)  # found by a full unit run: a greedy "gain" scored with the search's own roles was a 4 % loss
 def test_rebalance_never_lowers_throughput_or_drops_peers(seed: int) -> None:
     snapshot = build_region_snapshot(np.random.default_rng(seed), num_devices=10, num_regions=2, model=MODEL)
     plan = plan_partition(snapshot, rng=np.random.default_rng(seed))

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from planner.costs import estimate_stage_costs
+from planner.costs import estimate_plan_costs, estimate_stage_costs, estimate_throughput
 from planner.simulator import SimulationConfig, simulate_plan
 from planner.plan import Plan, Stage
 from planner.snapshot import Device, LinkMatrix, ModelProfile, SwarmSnapshot
@@ -160,3 +160,68 @@ def test_message_overhead_takes_device_time_like_compute() -> None:
 def test_message_overhead_must_not_be_negative() -> None:
     with pytest.raises(ValueError):
         SimulationConfig(message_overhead_flops=-1.0)
+
+
+def test_murmuration_flushing_drains_each_step_and_then_averages() -> None:
+    # One micro-batch a step through two stages of one peer each: forward 0 (4 s), fused stage 1
+    # (12 s), backward 0 (8 s), 24 s a step with or without the drain.
+    snapshot = _equal_snapshot(2, num_microbatches=1)
+    plan = _two_stage_plan(("d0",), ("d1",))
+    flushed = simulate_plan(snapshot, plan, SimulationConfig.murmuration(num_steps=3, is_flushing=True),
+                            rng=np.random.default_rng(0))
+    assert flushed.step_delays == pytest.approx((24.0, 24.0, 24.0))
+    # With 4 a step, the drain costs the fill a pipelined run hides: 4 x 12 s + the ends, not 4 x 12 s.
+    snapshot = _equal_snapshot(2, num_microbatches=4)
+    flushed = simulate_plan(snapshot, plan, SimulationConfig.murmuration(num_steps=4, is_flushing=True),
+                            rng=np.random.default_rng(0))
+    flowing = simulate_plan(snapshot, plan, SimulationConfig.murmuration(num_steps=4), rng=np.random.default_rng(0))
+    assert flowing.throughput == pytest.approx(2 / 12.0, rel=0.01)
+    assert flushed.throughput < 0.85 * flowing.throughput
+
+
+def test_murmuration_flushing_adds_the_exchange_after_the_drain() -> None:
+    # Two replicas of stage 0 with 1 MB of weights over 10 kB/s links: an exchange of minutes.
+    snapshot = _equal_snapshot(3, num_microbatches=2)
+    snapshot = replace(snapshot, model=replace(snapshot.model, layer_param_bytes=(0.5e6, 0.5e6, 0.0, 0.0)),
+                       runtime=replace(snapshot.runtime, averaging_period=0.0),
+                       links=LinkMatrix(latency_delay=np.full((3, 3), 1e-6), bandwidth=np.full((3, 3), 1e4)))
+    plan = _two_stage_plan(("d0", "d1"), ("d2",))
+    flushed = simulate_plan(snapshot, plan, SimulationConfig.murmuration(num_steps=2, is_flushing=True),
+                            rng=np.random.default_rng(0))
+    quiet = replace(SimulationConfig.murmuration(num_steps=2, is_flushing=True), is_averaging=False)
+    pipeline = simulate_plan(snapshot, plan, quiet, rng=np.random.default_rng(0)).step_delays[0]
+    longer = simulate_plan(snapshot, plan, replace(SimulationConfig.murmuration(num_steps=2, is_flushing=True),
+                                                   is_averaging_after_drain=False), rng=np.random.default_rng(0))
+    exchange = longer.step_delays[0]  # max(pipeline, round): the round here, far longer than the pipeline
+    assert exchange > pipeline
+    assert flushed.step_delays[0] == pytest.approx(pipeline + exchange)
+    with pytest.raises(ValueError):
+        SimulationConfig(num_steps=2, is_draining=False, is_averaging_after_drain=True)
+
+
+def test_the_cost_model_and_the_simulator_agree_on_a_flushed_pipeline() -> None:
+    # 4 micro-batches a step over two stages of 12 s each: the first takes R = 24 s, each further one
+    # 12 s, so a step is 3 x 12 + 24 = 60 s where overlapping steps would take 48.
+    snapshot = _equal_snapshot(2, num_microbatches=4)
+    plan = _two_stage_plan(("d0",), ("d1",))
+    flushed = replace(snapshot, runtime=replace(snapshot.runtime, is_flushing=True))
+    assert estimate_throughput(flushed, plan) == pytest.approx(8 / 60.0, rel=1e-3)
+    assert estimate_throughput(snapshot, plan) == pytest.approx(8 / 48.0, rel=1e-3)
+    simulated = simulate_plan(flushed, plan, SimulationConfig.murmuration(num_steps=3, is_flushing=True),
+                              rng=np.random.default_rng(0))
+    assert simulated.throughput == pytest.approx(8 / 60.0, rel=1e-3)
+
+
+def test_under_the_flush_the_round_follows_the_drain_in_the_cost_model() -> None:
+    snapshot = _equal_snapshot(3, num_microbatches=2)
+    snapshot = replace(snapshot, model=replace(snapshot.model, layer_param_bytes=(0.5e6, 0.5e6, 0.0, 0.0)),
+                       runtime=replace(snapshot.runtime, averaging_period=0.0, is_flushing=True),
+                       links=LinkMatrix(latency_delay=np.full((3, 3), 1e-6), bandwidth=np.full((3, 3), 1e4)))
+    plan = _two_stage_plan(("d0", "d1"), ("d2",))
+    costs = estimate_plan_costs(snapshot, plan)
+    assert costs.exchange == pytest.approx(2 * 0.5e6 / 1e4)  # half of 1 MB each way, over 10 kB/s
+    assert costs.stage_terms.max() < 20.0  # no floor: the round is charged once, after the drain
+    overlapping = estimate_plan_costs(replace(snapshot, runtime=replace(snapshot.runtime, is_flushing=False)), plan)
+    assert overlapping.exchange == 0.0 and overlapping.stage_terms.max() == pytest.approx(100.0 / 2)
+    drained = max(costs.stage_terms.max() + costs.round_trip, costs.round_trip)
+    assert costs.seconds_per_microbatch == pytest.approx((drained + 100.0) / 2)

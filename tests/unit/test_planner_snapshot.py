@@ -86,3 +86,23 @@ def test_plan_check_fits_rejects_unreliable_server() -> None:
     plan = Plan(stages=(Stage(layer_start=0, layer_end=2, server_ids=("a",)),))
     with pytest.raises(ValueError):
         plan.check_fits(snapshot)
+
+
+def test_model_tables_are_the_layer_figures_summed() -> None:
+    """The model's cached prefix sums and range tables are read by the layer split for every
+    group: they must be exactly the sums of the layer figures, and read-only."""
+    model = ModelProfile(
+        layer_flops=(1.5, 2.0, 0.25, 7.0), layer_param_bytes=(3.0, 0.0, 5.0, 1.0),
+        layer_activation_bytes=(8.0, 4.0, 2.0, 1.0),
+    )
+    flops, params, acts = model.prefix_sums
+    starts, ends = model.layer_ranges
+    assert list(zip(starts.tolist(), ends.tolist())) == [(a, b) for a in range(5) for b in range(a + 1, 5)]
+    for a in range(5):
+        for b in range(5):
+            assert model.range_param_bytes[a, b] == (sum(model.layer_param_bytes[a:b]) if a < b else 0.0)
+            if a < b:
+                assert flops[b] - flops[a] == sum(model.layer_flops[a:b])
+                assert acts[b] - acts[a] == sum(model.layer_activation_bytes[a:b])
+    assert params[-1] == sum(model.layer_param_bytes)
+    assert not any(table.flags.writeable for table in (flops, params, acts, starts, ends, model.range_param_bytes))

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from dht.records import RunSpec, even_stage_layers
+from dht.layouts import even_stage_layers
+from dht.records import RunSpec
 from peer.bootstrap import build_run_spec, stages_to_fit
 from peer.config import BootstrapConfig
 from peer.profiler import stage_memory_bytes

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from dht.records import ModelSpec, RunSpec, even_stage_layers
+from dht.layouts import even_stage_layers
+from dht.records import ModelSpec, RunSpec
 from peer.profiler import FIXED_OVERHEAD_BYTES, measure_flops, resolve_device, stage_memory_bytes
 from swarm.model import stage_num_params
 

@@ -271,6 +271,20 @@ def test_the_one_line_and_what_each_reachability_makes_of_the_peer():
     assert node_config(PeerConfig(bootstrap=(BOOT,), host_maddrs=("/ip4/127.0.0.1/tcp/0",))).daemon_reachability is None
 
 
+def test_only_a_node_dialled_at_its_own_address_dials_out_from_fresh_ports():
+    """dht.node: from its listening port a node's dials can collide with a neighbour's; behind a NAT
+    it must keep that port (hole punching, a full cone's mapping), and so must the probe."""
+    public = Reach(kind="direct", why="", verdict=verdict(True), own_ips=("1.2.3.4",))
+    full_cone = Reach(kind="direct", why="", verdict=verdict(True), own_ips=("192.168.5.2",))
+    relayed = Reach(kind="relayed", why="", relays=(BOOT,), verdict=verdict(False))
+    fresh = {name: not node_config(peer_config(), reach=reach).reuse_port
+             for name, reach in (("public", public), ("not checked", Reach(kind="direct", why="not checked")),
+                                 ("full cone", full_cone), ("relayed", relayed),
+                                 ("unreachable", Reach(kind="unreachable", why="")), ("probe", None))}
+    assert fresh == {"public": True, "not checked": True, "full cone": False, "relayed": False,
+                     "unreachable": False, "probe": False}
+
+
 def test_a_peer_dialled_back_through_its_nat_announces_the_nats_address():
     behind = Reach(kind="direct", why="", verdict=verdict(True), own_ips=("192.168.5.2",))
     assert behind.forwarded_ip == "1.2.3.4"  # a full-cone NAT, a port forward: it must say where to dial

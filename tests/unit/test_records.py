@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dht.layouts import even_stage_layers
 from dht.records import (
     MAX_ADDRS,
     MAX_STAGES,
@@ -16,7 +17,6 @@ from dht.records import (
     PeerRecord,
     RunSpec,
     check_run_id,
-    even_stage_layers,
     peers_key,
     spec_key,
 )

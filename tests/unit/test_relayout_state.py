@@ -107,6 +107,34 @@ def test_the_new_layout_computes_the_same_function(old_states):
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("new_layers", [((0, 1), (1, 3), (3, 5), (5, 6)),  # a global plan grows the layout
+                                        ((0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6)),
+                                        ((0, 5), (5, 6)),  # or shrinks it with no stage lost
+                                        ((0, 6),), ((0, 1), (1, 4), (4, 6))])  # or re-splits it
+def test_a_global_plans_layout_is_built_from_the_old_holders_with_every_layer_once_and_none_reseeded(
+        old_states, new_layers):
+    """issue #18: each new stage composed from the old stages it needs (``needed_sources``: what the
+    peer's own old stage and the old holders serve) holds each of its layers once, from the piece
+    that had it, none from the seed, and the new layout computes the old one's function exactly."""
+    new = dataclasses.replace(OLD, stage_layers=new_layers)
+    states, held = [], []
+    for k, (start, end) in enumerate(new_layers):
+        pieces = [StatePiece(OLD, old, old_states[old], f"holder:p{old}") for old in needed_sources(OLD, new, k)]
+        composed, provenance = compose_stage_state(new, k, pieces, base=fresh_state(new, k), num_steps=2)
+        assert "seed" not in provenance.values(), provenance
+        held += [part for part in provenance if part.startswith("layer ")]
+        for layer in range(start, end):  # from the old stage that held it, with its moments
+            old = next(i for i, (s, e) in enumerate(OLD.stage_layers) if s <= layer < e)
+            assert provenance[f"layer {layer}"] == f"holder:p{old}"
+            old_name, new_name = f"blocks.{layer - OLD.stage_layers[old][0]}", f"blocks.{layer - start}"
+            assert torch.equal(composed[f"optim.{new_name}.fc.weight.exp_avg"],
+                               old_states[old][f"optim.{old_name}.fc.weight.exp_avg"])
+        states.append(composed)
+    assert sorted(held, key=lambda part: int(part.split()[1])) == [f"layer {i}" for i in range(MODEL.num_layers)]
+    inputs, _ = tokens(7)
+    torch.testing.assert_close(chain_logits(new, states, inputs), chain_logits(OLD, old_states, inputs), rtol=0, atol=0)
+
+
 def test_moved_layers_keep_their_optimizer_history(old_states):
     (first, _), (last, _) = compose_two_stage_layout(old_states)
     moved = [(first, "blocks.2", "blocks.0"), (last, "blocks.0", "blocks.1")]  # layers 2 and 3 of old stage 1

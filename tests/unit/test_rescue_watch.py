@@ -85,6 +85,21 @@ def test_the_copy_is_kept_while_its_stage_is_unheld_and_dropped_once_someone_els
     assert k.due(3.0) is None and k.backup is None  # two holders: no backup needed
 
 
+def test_a_peer_standing_by_keeps_the_stage_of_a_one_stage_layout_and_hands_it_to_its_own_rescue():
+    """peer.standby: before, the one peer serving a one-stage layout had no keeper, and its crash
+    restarted the stage from a checkpoint or the seed."""
+    one_stage = RunSpec(run_id="run", stage_layers=((0, 4),))
+    view = SwarmView(None, "run")
+    view.records = [record("m", 0, version=7), record("s1", -1, state="standby"), record("s2", -1, state="standby")]
+    config = PeerConfig(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",), backup_period=PERIOD)
+    first, second = (BackupKeeper(None, view, one_stage, peer_id=p, config=config, metrics=EventLog(None)) for p in ("s1", "s2"))
+    stage, holder = first.due(0.0)
+    assert (stage, holder.peer_id) == (0, "m") and second.due(0.0) is None  # the one that would take the stage
+    first.backup = copy_of(0, "m", step=7, at=0.0)
+    view.records = view.records[1:]  # the holder crashed: the copy stays for the rescue
+    assert first.due(1.0) is None and first.take(0).version == 7
+
+
 def watches(records: list[PeerRecord], *, complete_reads: int = MIN_COMPLETE_READS) -> dict[str, RescueWatch]:
     view = SwarmView(None, "run")
     view.records, view.complete_reads = records, complete_reads

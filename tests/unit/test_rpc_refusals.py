@@ -4,6 +4,7 @@ sent more bytes than the refused header (regressions found by tests/fuzz)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import struct
 
@@ -101,3 +102,62 @@ def test_outcomes_are_counted_per_handler():
         assert delta == {("counted", "ok"): 1, ("counted", "refused"): 2, ("counted", "abandoned"): 1}
 
     asyncio.run(main())
+
+
+def test_a_handler_cancelled_while_it_waits_ends_quietly_as_abandoned():
+    """A process shutting down cancels every handler still waiting (a striped call's piece whose other
+    pieces never came): the handler task ends without an exception, which Python 3.11's stream
+    callback would log with a traceback (CI rehearsal, 2026-11-28)."""
+
+    async def main():
+        request, reply = Pipe(), Pipe()
+        header = msgpack.packb({"kind": "slow", "tensors": []})
+        request.write(struct.pack(">I", len(header)) + header)
+        started = asyncio.Event()
+
+        async def slow(header, tensors):
+            started.set()
+            await asyncio.sleep(60)
+
+        before = REQUEST_OUTCOMES["cancelled", "abandoned"]
+        serving = asyncio.create_task(serve_request(request.reader, reply, slow, max_payload_bytes=0, timeout=30,
+                                                    what="cancelled"))
+        await asyncio.wait_for(started.wait(), 5)
+        serving.cancel()
+        await asyncio.wait([serving], timeout=5)
+        assert serving.done() and not serving.cancelled() and serving.exception() is None
+        assert serving.result() == "abandoned" and reply.closed
+        assert REQUEST_OUTCOMES["cancelled", "abandoned"] == before + 1
+
+    asyncio.run(main())
+
+
+def test_a_stripe_that_fails_as_its_call_is_given_up_leaves_no_unretrieved_error(caplog):
+    """A striped call ends at its first failure and cancels its other streams; a stream that ends in an
+    error of its own instead (Python 3.11's wait_for can turn a cancellation into the inner error that
+    came at the same moment) must not be logged as "Task exception was never retrieved" (CI
+    rehearsal, 2026-11-28: a leaving peer's log)."""
+
+    async def main():
+        async def fails():
+            await asyncio.sleep(0.01)
+            raise rpc.PeerUnavailableError("the first stream failed")
+
+        async def fails_when_cancelled():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                raise rpc.PeerUnavailableError("the stream broke as it was cancelled") from None
+
+        try:
+            await rpc._all_or_first_error([fails(), fails_when_cancelled()])
+        except rpc.PeerUnavailableError as e:
+            assert "first stream" in str(e)
+        else:
+            raise AssertionError("the first failure is raised")
+        await asyncio.sleep(0.05)  # the cancelled stream ends
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

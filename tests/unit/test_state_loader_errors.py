@@ -14,7 +14,8 @@ from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.event_log import EventLog
 from peer.state_sources import StateLoader
-from replication.pull_report import PullReport, TransferError
+from replication.pull_report import DisagreementError, PullReport, TransferError
+from replication.transfer import PullResult
 from swarm.view import SwarmView
 
 SPEC = RunSpec(run_id="run")
@@ -93,3 +94,62 @@ def test_a_holder_nobody_can_dial_is_not_asked_for_the_state(monkeypatch):
     loader._downloaded = downloaded
     assert asyncio.run(loader.load(SimpleNamespace(index=1), SPEC)) == "holders"
     assert asked == [["holder"]]
+
+
+def test_holders_asked_again_after_a_disagreement_keep_one_whose_record_lapsed_meanwhile(monkeypatch):
+    """CI: two holders disagreed (one between averaging rounds); when the joiner asked again, one
+    holder's heartbeat was late and its record had lapsed from the view, and the joiner pulled from
+    the other alone. A holder nobody said left stays a donor."""
+    asked = []
+
+    async def pull(p2p, stage, holders, **kwargs):
+        asked.append(sorted(r.peer_id for r in holders))
+        if len(asked) == 1:
+            loader.view.records = loader.view.records[:1]  # "late"'s record lapses before the next refresh
+            raise DisagreementError("no 2 donors agree on the manifest", PullReport())
+        return "pulled"
+
+    monkeypatch.setattr(state_sources, "DISAGREEMENT_RETRY", 0.0)
+    loader = _loader(monkeypatch, pull)
+    loader.view.records.append(PeerRecord(peer_id="late", role="reliable", state="training", stage=1, flops=1e9))
+
+    async def downloaded(stage, result):
+        pass
+
+    loader._downloaded = downloaded
+    assert asyncio.run(loader.load(SimpleNamespace(index=1), SPEC)) == "holders"
+    assert asked == [["holder", "late"], ["holder", "late"]]
+
+
+def test_after_the_patience_the_download_report_names_a_holder_dropped_when_pulled_alone(monkeypatch):
+    """Holders that keep disagreeing are pulled one at a time; one that served a corrupted piece
+    then is dropped, and the state_download report must still say so (CI: it said nothing, so the
+    corrupting donor looked never asked)."""
+    asked, written = [], []
+
+    async def pull(p2p, stage, holders, **kwargs):
+        asked.append(sorted(r.peer_id for r in holders))
+        if len(holders) > 1:
+            raise DisagreementError("no 2 donors agree on the manifest", PullReport())
+        if holders[0].peer_id == "liar":
+            raise TransferError("pieces missing and no donor left", PullReport(
+                failed_donors={"liar": "run 0: piece 0 does not match the manifest"}))
+        return PullResult(version=7, state={}, report=PullReport(donors=["holder"], bytes_by_donor={"holder": 1}))
+
+    ticks = iter(range(0, 10_000, 100))  # each reading of the clock is 100 s later: the patience runs out
+    loader = _loader(monkeypatch, pull)
+    loader.clock = lambda: next(ticks)
+    loader.view.records.append(PeerRecord(peer_id="liar", role="reliable", state="training", stage=1, flops=1e9))
+    monkeypatch.setattr(state_sources, "state_drift", lambda state, spec, index: 0.1)
+    monkeypatch.setattr(loader.metrics, "write", lambda kind, **fields: written.append((kind, fields)))
+
+    async def run(fn, *args):
+        return fn(*args)
+
+    stage = SimpleNamespace(index=1, spec=SPEC, run=run, load_state_tensors=lambda state: None,
+                            params_digest=lambda: "d")
+    assert asyncio.run(loader.load(stage, SPEC)) == "holders"
+    assert asked == [["holder", "liar"], ["holder"], ["liar"]]
+    (kind, fields), = [w for w in written if w[0] == "state_download"]
+    assert fields["failed_donors"] == {"liar": "run 0: piece 0 does not match the manifest"}
+    assert fields["version"] == 7 and fields["bytes_by_donor"] == {"holder": 1}

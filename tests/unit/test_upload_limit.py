@@ -91,3 +91,36 @@ def test_a_capped_message_arrives_whole(monkeypatch):
     elapsed, header, tensors = asyncio.run(main())
     assert header == {"k": 1} and torch.equal(tensors[0], tensor)
     assert elapsed >= (4e6 - limit.burst) / 20e6 - 0.02
+
+
+def test_a_control_message_never_queues_behind_a_bulk_transfer(monkeypatch):
+    """A ping's answer from a capped peer that serves its state: were it to wait its turn behind the
+    shards, the pinging neighbour would get no answer in time and declare the peer down."""
+    import dht.wire as wire
+
+    limit = UploadLimit()
+    limit.configure(1e3, burst_seconds=0.0)  # 1 kB/s: a chunk's debt takes minutes to pay
+    monkeypatch.setattr(wire, "UPLOAD_LIMIT", limit)
+
+    async def main():
+        bulk = asyncio.ensure_future(limit.acquire(10 * UPLOAD_CHUNK_BYTES))  # holds the bucket, paying its debt
+        await asyncio.sleep(0)
+        got = asyncio.get_running_loop().create_future()
+
+        async def handle(reader, writer):
+            got.set_result(await read_message(reader, max_payload_bytes=64, timeout=10))
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        await asyncio.wait_for(write_message(writer, {"kind": "ping"}), 10)  # not the bulk's minutes
+        header, _ = await asyncio.wait_for(got, 10)
+        owed = limit._tokens
+        bulk.cancel()
+        writer.close()
+        server.close()
+        return header, owed
+
+    header, owed = asyncio.run(main())
+    assert header == {"kind": "ping"}
+    assert owed < UPLOAD_CHUNK_BYTES - 10 * UPLOAD_CHUNK_BYTES  # charged (the burst is one chunk): the next bulk write pays for the ping too
