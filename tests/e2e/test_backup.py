@@ -22,7 +22,7 @@ from dht.records import RunSpec
 from peer.harness.local_swarm import wait_for
 from swarm.stage import Stage
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(300)]
 ARGS = ("--num-threads", "1", "--rebalance-period", "0", "--backup-period", "3")
 HEARTBEAT_TTL = 6.0  # the peers' default --heartbeat-ttl
 

@@ -7,7 +7,7 @@ import pytest
 
 from peer.harness.local_swarm import LocalSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(240)]
 DEAD_BOOTSTRAP = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWSat51nqvjB9HV13Cyqw1FMSJRYXAY8nqF5Hh2Wbxkbss"
 
 

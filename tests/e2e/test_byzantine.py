@@ -26,7 +26,7 @@ from peer.faults import ALLOW_ENV, FAULTS_ENV
 
 # five swarms in a row, 10-12 minutes under the suite's load: not beside the emulated-internet swarms
 # (tests/e2e/conftest.py, one_at_a_time)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_group("one_at_a_time")]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(1200), pytest.mark.xdist_group("one_at_a_time")]
 # Per-replica steps (--replica-sync periodic): this test is about the averaging rounds, where the
 # Byzantine replica's state is out-voted. Under the default swarm-wide batch its gradients are
 # out-voted only in batches that three or more replicas contribute to, and a batch of two microbatches

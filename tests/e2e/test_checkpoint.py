@@ -9,7 +9,7 @@ import pytest
 
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(300)]
 
 
 def last_stage_losses(peers, since: float = 0.0) -> list[float]:

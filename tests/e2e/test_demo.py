@@ -12,7 +12,7 @@ import pytest
 
 from peer.harness.local_swarm import REPO_ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(420)]
 
 # the demo stops once the last stage has computed this many microbatches (the first and the last 20
 # are the compared loss windows); --duration only bounds it: a loaded CI host trained 24 in 30 s

@@ -14,7 +14,7 @@ from peer.config import BootstrapConfig
 from peer.harness.local_swarm import REPO_ROOT, wait_for
 from peer.profiler import stage_memory_bytes
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(150)]
 MODEL = ("--num-layers", "2", "--d-model", "64")
 MIB = 2**20
 

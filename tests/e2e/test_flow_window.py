@@ -14,7 +14,7 @@ import pytest
 from peer.harness.internet import Internet, Link
 from peer.harness.local_swarm import LocalSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("one_at_a_time")]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(900), pytest.mark.xdist_group("one_at_a_time")]
 MAX_IN_FLIGHT = 12
 GROWN = 5  # the window a 400 ms round trip asks for at a few microbatches/s of compute (it starts at 2)
 DIPPED_RATE_MBIT = 4  # a 0.5 MB activation then takes a second each way: 2 or 3 in flight fill the path

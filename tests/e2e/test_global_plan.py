@@ -43,7 +43,7 @@ from peer.harness.local_swarm import LocalSwarm, wait_for
 from peer.plan_worker import from_wire
 from planner.global_plan import plan_global
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("one_at_a_time")]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(900), pytest.mark.xdist_group("one_at_a_time")]
 ACCESS = Link(rate_mbit=50, delay_ms=5)
 BETWEEN = Link(rate_mbit=10, delay_ms=40)
 PERIOD = 30

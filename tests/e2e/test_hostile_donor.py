@@ -21,7 +21,7 @@ import pytest
 from peer.faults import ALLOW_ENV, FAULTS_ENV
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]  # 232 s in a loaded rehearsal (the capped holder serves slowly)
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(420)]  # 232 s in a loaded rehearsal (the capped holder serves slowly)
 ARGS = ("--num-threads", "1", "--stage", "0", "--rebalance-period", "0", "--backup-period", "0")
 CORRUPTING = {ALLOW_ENV: "1", FAULTS_ENV: "corrupt_shards"}
 

@@ -44,7 +44,7 @@ from swarm.membership import MembershipNotices
 from swarm.stage import Stage
 from swarm.view import SwarmView
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(420)]
 RUN_ID = "demo"
 ARGS = ("--num-threads", "1", "--rebalance-period", "0")
 HUGE = 10**9

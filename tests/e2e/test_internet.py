@@ -19,7 +19,7 @@ import pytest
 from peer.harness.internet import Internet, Link
 from peer.harness.local_swarm import REPO_ROOT, LocalSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.xdist_group("one_at_a_time")]
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.xdist_group("one_at_a_time")]
 PROBE = (sys.executable, str(REPO_ROOT / "peer" / "harness" / "link_probe.py"))
 ECHO_PORT, SINK_PORT = 9000, 9001
 LOSS_WINDOW = 20
@@ -53,6 +53,7 @@ def serve(host, *arguments: str) -> subprocess.Popen:
     return server
 
 
+@pytest.mark.smoke  # the gate's one look at the harness: it builds, shapes, delays and NATs
 def test_the_emulated_internet_delays_shapes_and_hides_homes_behind_nats(internets):
     internet = internets(seed=1)
     fast = internet.add_host("fast", Link(rate_mbit=100, delay_ms=10))
@@ -100,6 +101,7 @@ def test_the_emulated_internet_delays_shapes_and_hides_homes_behind_nats(interne
     print(f"delay line over the test: {held} then {final}")
 
 
+@pytest.mark.scenario
 def test_two_regions_are_near_inside_and_far_and_narrow_between(internets):
     internet = internets(seed=2)
     near = [internet.add_host(f"east{i}", Link(rate_mbit=50, delay_ms=5)) for i in range(2)]
@@ -175,6 +177,7 @@ def dial_at_once(internet: Internet, reuse_port: bool) -> list[list[dict]]:
                 dialer.wait()
 
 
+@pytest.mark.scenario
 def test_two_new_neighbours_dialling_each_other_at_once_both_connect(internets):
     """Peers dial out from fresh ports (``dht.node``'s ``reuse_port=False``): from their listening
     ports (go-libp2p's default) two dials that cross in flight meet in one TCP connection, where both
@@ -187,6 +190,7 @@ def test_two_new_neighbours_dialling_each_other_at_once_both_connect(internets):
     print(f"from the listening ports (go-libp2p's default): {default}")
 
 
+@pytest.mark.scenario
 def test_a_2x2_swarm_on_20_mbit_40_ms_links_stays_consistent_and_alive_for_5_minutes(internets, tmp_path):
     """Every peer on its own 20 Mbit/s link with 40 ms one way (160 ms between two peers), for five
     minutes: the loss falls, replicas of a stage hold the same parameters after every round both

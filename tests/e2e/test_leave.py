@@ -9,7 +9,7 @@ import pytest
 
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(300)]
 
 
 def stage_of(peer) -> int:

@@ -24,7 +24,7 @@ from bench.proc_table import (
 )
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(300)]
 
 
 def tree_of(pid: int) -> dict:

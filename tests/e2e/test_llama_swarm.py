@@ -19,7 +19,7 @@ import pytest
 from peer.harness.local_swarm import REPO_ROOT, wait_for
 from tests.e2e.test_status_page import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(540)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(540)]
 LOSS_WINDOW = 10
 # a quarter of the default microbatch and a step every two of them: bf16 without hardware support is
 # slow (0.4 default microbatches a second here, 270 of this test's 300 s in a CI rehearsal), and 160 of

@@ -38,7 +38,7 @@ from peer.harness.local_swarm import wait_for
 from swarm.admission import TURNED_AWAY_PER_STRIKE
 from tests.e2e.test_status_page import free_port, get
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(300)]
 RUN_ID = "demo"
 FLOOD_SECONDS = 12.0
 MEMBER_SECONDS = 30.0  # at most: the member sends until it is rate-limited (slowly, on a busy machine)

@@ -28,7 +28,7 @@ import pytest
 from peer.harness.internet import InternetError, Link
 from peer.harness.local_swarm import LocalSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_group("one_at_a_time")]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.xdist_group("one_at_a_time")]
 LINK = Link(rate_mbit=100, delay_ms=5)
 COMMON = ("--num-threads", "1", "--relay-slots", "0", "--heartbeat-ttl", "10")
 STATUS_PORT = 8080  # the bootstrap's health page, on its own host
@@ -68,6 +68,7 @@ def status_of(host, port: int, *, timeout: float = 120) -> dict:
     return fetched[0]
 
 
+@pytest.mark.scenario
 def test_peers_behind_nats_serve_average_and_say_how_they_are_reached(internet, tmp_path):
     hosts = {name: internet.add_host(name, LINK) for name in ("bootstrap", "public0", "public1", "public2")}
     for name in ("home1", "home0", "home-client"):
@@ -138,6 +139,33 @@ def test_peers_behind_nats_serve_average_and_say_how_they_are_reached(internet, 
         for peer in everyone:
             assert peer.process.returncode == 0, peer.log_tail()
             assert "Traceback" not in peer.log_path.read_text(), peer.log_tail()
+    finally:
+        swarm.shutdown(timeout=20)
+        print(swarm.logs())
+
+
+@pytest.mark.smoke
+def test_a_peer_behind_a_home_nat_says_in_one_line_that_it_is_reached_through_the_bootstraps_relay(internet, tmp_path):
+    """The gate's NAT smoke: the smallest swarm a NATed volunteer meets (a public bootstrap with one
+    relay slot, one stage) gives its one-line verdict and trains; the long NAT swarm above is the
+    scenario tier's."""
+    boot_host = internet.add_host("bootstrap", LINK)
+    home = internet.add_host("home", LINK, nat="port-restricted")
+    internet.start()
+    swarm = LocalSwarm(tmp_path / "swarm")
+    try:
+        swarm.start_bootstrap("--num-stages", "1", "--relay-slots", "1", host=boot_host.address,
+                              command_prefix=boot_host.command_prefix)
+        peer = swarm.start_peer(*COMMON, host=home.address, command_prefix=home.command_prefix)
+        wait_for(lambda: peer.events("status") or not peer.is_alive(), 150, "the NATed peer to train")
+        assert peer.is_alive(), swarm.logs()
+        assert re.match(rf"behind NAT: reachable through relay /ip4/{re.escape(boot_host.public_address)}/tcp/\d+/p2p/\w+"
+                        r"/p2p-circuit", joined_line(peer)), peer.log_tail()
+        wait_for(lambda: "(1 of 1 relay slots)" in swarm.bootstrap.log_path.read_text(), 30,
+                 "the bootstrap to log the reservation it granted")
+        swarm.shutdown()
+        assert peer.process.returncode == 0, peer.log_tail()
+        assert "Traceback" not in peer.log_path.read_text(), peer.log_tail()
     finally:
         swarm.shutdown(timeout=20)
         print(swarm.logs())

@@ -20,7 +20,7 @@ import pytest
 from peer.harness.local_swarm import LocalSwarm, wait_for
 from tests.netns import NamespaceLink
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.xdist_group("one_at_a_time")]  # one namespace test at a time
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(1200), pytest.mark.xdist_group("one_at_a_time")]  # one namespace test at a time
 COMMON = ("--num-threads", "1", "--max-in-flight", "4")
 # The first round's schedule: microbatches flow across steps and each replica steps on its own batch.
 # Under the default (flush + gradients) a batch waits for its slowest microbatch, so a replica behind

@@ -6,7 +6,7 @@ import pytest
 
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(120)]
 
 
 def test_pause_file_pauses_and_resumes_without_leaving(local_swarm, tmp_path):

@@ -22,7 +22,7 @@ from planner.claims import cap_to_median
 from planner.stage_choice import StageMember, choose_move
 from swarm.model import stage_flops_per_sample
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(300)]
 MIN_GAIN = 0.05
 REBALANCE = ("--rebalance-period", "2", "--rebalance-min-gain", str(MIN_GAIN))
 COSTS = [stage_flops_per_sample(RunSpec(run_id="demo"), k) for k in range(2)]

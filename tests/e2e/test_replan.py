@@ -19,7 +19,7 @@ import pytest
 
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(420)]
 ARGS = ("--num-threads", "1", "--rebalance-period", "0", "--backup-period", "3", "--replan-after", "8")
 
 

@@ -20,7 +20,7 @@ from dht.records import RunSpec
 from dht.registry import declare_run_spec, fetch_run_specs, owner_fingerprint
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(300)]
 ARGS = ("--num-threads", "1", "--rebalance-period", "0", "--join-timeout", "60")
 
 

@@ -11,7 +11,7 @@ import pytest
 from peer.faults import ALLOW_ENV, FAULTS_ENV
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(300)]
 ARGS = ("--num-threads", "1", "--rebalance-period", "0", "--backup-period", "0")
 
 

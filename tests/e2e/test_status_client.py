@@ -19,7 +19,7 @@ import pytest
 
 from peer.harness.local_swarm import REPO_ROOT, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(120)]
 SOME_PEER_ID = "12D3KooWSat51nqvjB9HV13Cyqw1FMSJRYXAY8nqF5Hh2Wbxkbss"
 
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from peer.harness.local_swarm import LocalSwarm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(240)]
 WINDOW = (1280, 1100)
 LOSS_COLOR = (0x1F, 0x5F, 0xBF)  # the loss line of the page (peer/status/page.py)
 BOTTLENECK_COLOR = (0xD9, 0x53, 0x4F)

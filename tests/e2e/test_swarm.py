@@ -10,7 +10,7 @@ from dht.records import PeerRecord, RunSpec
 from peer.join import choose_stage_from_view
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(420)]
 LOSS_WINDOW = 20
 
 

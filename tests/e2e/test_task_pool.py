@@ -12,7 +12,7 @@ import pytest
 
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(360)]
 
 
 def ids(peer, event: str, stage: int | None = None) -> list[str]:

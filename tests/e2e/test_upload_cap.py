@@ -6,7 +6,7 @@ import pytest
 
 from peer.harness.local_swarm import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(420)]
 CAP_MBPS = 8.0  # 1 MB/s; a stage's state is about 5 MB
 
 

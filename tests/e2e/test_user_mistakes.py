@@ -12,7 +12,7 @@ import pytest
 
 from peer.harness.local_swarm import REPO_ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.smoke, pytest.mark.timeout(180)]
 SOME_PEER_ID = "12D3KooWSat51nqvjB9HV13Cyqw1FMSJRYXAY8nqF5Hh2Wbxkbss"
 
 

@@ -49,7 +49,7 @@ from tests.fuzz.hostile import (
     http_messages,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.scenario, pytest.mark.timeout(600)]
 SEED = 20261122
 MESSAGES_PER_HANDLER = 10_000
 STREAMS_PER_HANDLER = 6  # concurrent streams per handler, all over one libp2p connection

@@ -29,7 +29,7 @@ from tests.conftest import open_dht_nodes
 from tests.forged_manifest import HUGE_BYTES, forged_wire, grown
 from tests.integration.joiner_process import SPEC, STAGE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
 HONEST_VERSION, FORGED_VERSION = 5, 99
 JOIN_TIMEOUT = 120.0  # backs up a joiner process that hangs; never reached when the code is right

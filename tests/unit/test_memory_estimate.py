@@ -31,6 +31,8 @@ from swarm.stage import Stage
 # one worker runs the module, so its module-scoped measurement runs once (split over two workers, it
 # ran on both: 83 s each in a CI rehearsal)
 pytestmark = pytest.mark.xdist_group("memory_estimate")
+# the two tests of the measured peaks are a measurement (the fixture alone is 40-300 s): the scenario tier
+MEASUREMENT = pytest.mark.scenario
 TOLERANCE = 0.15
 MEASURED = [(name, microbatch_size, stage, checkpointing, "fp32") for name, microbatch_size in (("tiny", 16), ("small", 2))
             for stage in (0, 1) for checkpointing in (False, True)] + [("tiny", 16, 0, True, "bf16"), ("tiny", 16, 1, False, "bf16")]
@@ -56,6 +58,7 @@ def measured_peaks() -> dict[tuple, int]:
 # the first test also measures (the module's fixture): 77 s in a CI rehearsal, over 300 s beside the
 # Byzantine test's two swarms at once (ten CPU-bound processes on two cores, 2026-11-28); each of the
 # ten measurements is bounded at 120 s, two at a time
+@MEASUREMENT
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", MEASURED, ids=lambda c: f"{c[0]}-mb{c[1]}-stage{c[2]}{'-checkpointed' * c[3]}-{c[4]}")
 def test_the_estimate_is_within_15_percent_of_a_measured_step(measured_peaks, case):
@@ -67,6 +70,7 @@ def test_the_estimate_is_within_15_percent_of_a_measured_step(measured_peaks, ca
     assert abs(estimate - measured) <= TOLERANCE * measured, f"estimated {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
 
 
+@MEASUREMENT
 def test_checkpointing_is_what_cuts_the_memory_of_held_microbatches(measured_peaks):
     for name, microbatch_size in (("tiny", 16), ("small", 2)):
         plain, checkpointed = (measured_peaks[(name, microbatch_size, 0, c, "fp32")] for c in (False, True))
