@@ -39,8 +39,17 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints(local_swarm, tmp_path):
     restarted_at = time.time()
     second = [local_swarm.start_peer(*args) for _ in range(2)]
     wait_for(lambda: all(p.events("status") for p in second), 150, "the restarted peers to train")
-    loaded = {e["stage"]: e for p in second for e in p.events("checkpoint_loaded")}
-    assert sorted(loaded) == [0, 1]
+
+    def loaded_stages() -> dict[int, dict]:
+        return {e["stage"]: e for p in second for e in p.events("checkpoint_loaded")}
+
+    # both stages resumed from their files; not always at the join: under load (CI beside a CPU hog)
+    # both restarted peers chose stage 0, and the one that had resumed it then found stage 1 unheld
+    # and moved there, resuming stage 1 from its file a few seconds after both trained
+    wait_for(lambda: len(loaded_stages()) == 2 or not all(p.is_alive() for p in second), 60,
+             "both stages resumed from their checkpoints")
+    loaded = loaded_stages()
+    assert sorted(loaded) == [0, 1], local_swarm.logs()
     assert all(loaded[k]["version"] == final[k]["version"] for k in (0, 1)), (loaded, final)
     wait_for(lambda: len(last_stage_losses(second, restarted_at)) >= 10, 90, "microbatches after the restart")
     resumed = statistics.mean(last_stage_losses(second, restarted_at)[:10])
