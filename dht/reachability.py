@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils.multiaddr import Multiaddr
 
+from dht.clock import SYSTEM_CLOCK
 from dht.rpc import HandlerService, Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError
 from planner.reachability import DialBack
@@ -83,7 +83,7 @@ class DialBackServer(HandlerService):
 
     def __init__(self, p2p: P2P, *, dial_timeout: float = DIAL_TIMEOUT, max_per_minute: int = 12,
                  max_concurrent: int = 2, per_peer_period: float = 10.0,
-                 dial: Callable[..., Any] = dial_fresh, clock: Callable[[], float] = time.monotonic) -> None:
+                 dial: Callable[..., Any] = dial_fresh, clock: Callable[[], float] = SYSTEM_CLOCK) -> None:
         self.p2p, self.dial_timeout, self.dial, self.clock = p2p, dial_timeout, dial, clock
         self.max_per_minute, self.max_concurrent, self.per_peer_period = max_per_minute, max_concurrent, per_peer_period
         self._recent: collections.deque[float] = collections.deque()  # when each check of the last minute began

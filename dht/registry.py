@@ -38,8 +38,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import get_dht_time
 
+from dht.clock import SYSTEM_CLOCK
 from dht.identity import (
     MAX_PEER_KEY_BYTES,
     MAX_SIGNATURE_BYTES,
@@ -88,7 +88,7 @@ class RunRecordValidator(RecordValidatorBase):
         if _OWNER_MARKER not in record.subkey:
             logger.debug("refused an unsigned entry under a protected record key")
             return False
-        if record.expiration_time > get_dht_time() + MAX_RECORD_TTL:
+        if record.expiration_time > HIVEMIND_CLOCK.dht_time() + MAX_RECORD_TTL:
             logger.debug("refused an entry expiring too far ahead under a protected record key")
             return False
         return True
@@ -117,9 +117,9 @@ async def protect_run_keys(dht: hivemind.DHT, run_id: str) -> None:
                             return_future=True)
 
 
-def dht_time() -> float:
-    """Seconds on the DHT's clock (what record expirations are measured in)."""
-    return get_dht_time()
+# The calls here are the record store on hivemind's DHT, whose nodes compare expirations with the
+# machine's wall clock (hivemind's get_dht_time): they read that clock, and nothing else does.
+HIVEMIND_CLOCK = SYSTEM_CLOCK
 
 
 def owner_fingerprint(record_key: bytes) -> str:
@@ -147,7 +147,7 @@ async def declare_run_spec(dht: hivemind.DHT, validator: RSASignatureValidator, 
     """Publish the run spec, signed and bound to this node's peer id, and list the run in the registry."""
     await protect_run_keys(dht, spec.run_id)
     owner = validator.local_public_key
-    expiration = get_dht_time() + SPEC_TTL
+    expiration = HIVEMIND_CLOCK.dht_time() + SPEC_TTL
     wire = spec.to_wire()
     entry = dict(wire)
     identity = identity_of(dht)
@@ -211,7 +211,7 @@ async def declare_peer(
     unless refreshed. A DHT node not opened by ``dht.node.open_dht`` has no identity key here, and
     its records go out unbound (readers drop them)."""
     await protect_run_keys(dht, run_id)
-    expiration = get_dht_time() + ttl
+    expiration = HIVEMIND_CLOCK.dht_time() + ttl
     key = peers_key(run_id)
     identity = identity_of(dht)
     if identity is not None and not record.peer_signature:
@@ -258,6 +258,6 @@ async def _fetch_dictionary(dht: hivemind.DHT, key: str) -> list[tuple[Any, Any]
     found = await dht.get(key, latest=True, return_future=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    now = get_dht_time()
+    now = HIVEMIND_CLOCK.dht_time()
     items = [(subkey, item.value) for subkey, item in found.value.items() if item.expiration_time > now]
     return sorted(items, key=lambda kv: repr(kv[0]))

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from hivemind.p2p import P2P
 
+from dht.clock import SYSTEM_CLOCK
 from dht.rpc import HandlerService, Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError
 
@@ -47,7 +47,7 @@ class RelaySlots(HandlerService):
     handler_name = RELAY_SLOT_HANDLER
 
     def __init__(self, p2p: P2P, *, slots: int, lease: float = RELAY_LEASE,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = SYSTEM_CLOCK) -> None:
         if slots < 0 or lease <= 0:
             raise ValueError("slots must be >= 0 and lease positive seconds")
         self.p2p, self.slots, self.lease, self.clock = p2p, slots, lease, clock

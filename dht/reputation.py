@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import Callable
+
+from dht.clock import SYSTEM_CLOCK
 
 logger = logging.getLogger(__name__)
 MAX_TRACKED_PEERS = 4096  # strike records beyond this are pruned to the window
@@ -25,7 +26,7 @@ class Reputation:
 
     def __init__(
         self, *, max_strikes: int = 8, window: float = 30.0, ban_seconds: float = 120.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = SYSTEM_CLOCK,
         on_ban: Callable[[str, str], None] = lambda peer_id, reason: None,
     ) -> None:
         if max_strikes < 1 or window <= 0 or ban_seconds <= 0:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 
+from dht.clock import SYSTEM_CLOCK
 from dht.striping import (ASSEMBLIES, FRAME_OVERHEAD, MAX_STRIPES, STRIPE_KEY, Busy, check_piece, join_pieces,
                           parse_answer_stripe, parse_request_stripe, piece_tensor, stripe_bounds)
 from dht.wire import ProtocolError, decode_message, encode_message, read_message, write_message
@@ -68,12 +68,12 @@ class RefusalLog:
     than one line per message (which would fill the disk and cost the CPU the flood aims at)."""
 
     def __init__(self, *, period: float = REFUSAL_LOG_PERIOD, burst: int = REFUSAL_LOG_BURST,
-                 noun: str = "request") -> None:
-        self.period, self.burst, self.noun = period, burst, noun  # noun: what is refused ("record", ...)
+                 noun: str = "request", clock: Callable[[], float] = SYSTEM_CLOCK) -> None:
+        self.period, self.burst, self.noun, self.clock = period, burst, noun, clock  # noun: what is refused ("record", ...)
         self._windows: dict[str, tuple[float, int]] = {}  # what -> (window start, refusals in it)
 
     def refused(self, what: str, reason: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         started, count = self._windows.get(what, (now, 0))
         if now - started >= self.period:
             if count > self.burst:

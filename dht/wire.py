@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
+
+from dht.clock import SYSTEM_CLOCK, Clock
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_DIMS = 8
@@ -52,7 +53,7 @@ class ArrivalClock:
     the first read that waited on count, over the time since that read began; a payload that was
     all buffered says nothing (0 bytes)."""
 
-    clock: Callable[[], float] = time.monotonic
+    clock: Callable[[], float] = SYSTEM_CLOCK
     started: float | None = None
     num_bytes: int = 0
     ended: float = 0.0
@@ -103,7 +104,8 @@ class UploadLimit:
     notices; hivemind's DHT and averaging traffic is not ours to meter.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self.rate = 0.0
         self.burst = 0.0
         self._tokens = 0.0
@@ -128,16 +130,16 @@ class UploadLimit:
         if self._lock is None or self._loop is not loop:  # a lock belongs to one event loop
             self._lock, self._loop = asyncio.Lock(), loop
         async with self._lock:
-            now = loop.time()
+            now = self.clock()
             if self._stamp:
                 self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
             self._stamp = now
             self._tokens -= nbytes
             if self._tokens < 0:
                 debt = -self._tokens
-                await asyncio.sleep(debt / self.rate)
+                await self.clock.sleep(debt / self.rate)
                 # the debt is paid, no credit for the wait; what was charged meanwhile stays owed
-                self._tokens, self._stamp = self._tokens + debt, loop.time()
+                self._tokens, self._stamp = self._tokens + debt, self.clock()
 
     def charge(self, nbytes: int) -> None:
         """Count ``nbytes`` already sent without waiting: a control message (a ping's answer, a
@@ -200,7 +202,7 @@ async def write_message(
 
 async def read_message(
     reader: asyncio.StreamReader, *, max_payload_bytes: int, timeout: float,
-    on_payload: Callable[[int, float], None] | None = None, clock: Callable[[], float] = time.monotonic,
+    on_payload: Callable[[int, float], None] | None = None, clock: Callable[[], float] = SYSTEM_CLOCK,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Receive one message within ``timeout`` seconds; ``on_payload(bytes, seconds)`` is told how
     many of its tensors' bytes this reader waited for and over how long (:class:`ArrivalClock`, on

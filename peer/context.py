@@ -7,11 +7,10 @@ view, its event log, its link figures...); :class:`SessionHost` is the peer's si
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dht.clock import SYSTEM_CLOCK, Clock
 from dht.records import RunSpec
 from dht.reputation import Reputation
 from peer.backup import BackupKeeper
@@ -35,7 +34,8 @@ class PeerContext:
         reputation: strikes and bans of misbehaving peers, or None (``--ban-strikes 0``).
         faults: test-only misbehaviour (``peer.faults``).
         tokens: the training data as the run tokenizer's ids (stage 0 samples from them).
-        clock: seconds, monotonic: what the session's loops time themselves with.
+        clock: the peer's one clock (``dht.clock``): monotonic readings (``clock()``), the DHT's
+            time and sleeps, for everything its sessions time.
         links: what it measured of its links to the peers it talks to (``swarm.links``), across
             sessions: pings, pipeline traffic and state pulls feed it, its record publishes it.
     """
@@ -52,7 +52,7 @@ class PeerContext:
     reputation: Reputation | None
     faults: dict[str, str]
     tokens: Tokens
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = SYSTEM_CLOCK
     links: LinkMeter = field(default_factory=LinkMeter)
 
 

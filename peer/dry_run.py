@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from dht.records import PeerRecord, RunSpec
-from dht.registry import dht_time
+from dht.clock import SYSTEM_CLOCK
 from peer.config import PeerConfig
 from peer.errors import UserError
 from peer.join import bootstrap_peer_ids, fetch_spec, open_swarm_dht, stage_costs
@@ -93,7 +93,7 @@ async def dry_run(config: PeerConfig) -> str:
         records = await view.refresh()
         budget = int(config.max_memory_mb * MIB) if config.max_memory_mb else available_memory_bytes(device)
         source = "--max-memory-mb" if config.max_memory_mb else f"available on {device}"
-        plan = plan_join(spec, records, peer_id=peer_id, flops=flops, now=dht_time(), forced_stage=config.start_stage,
+        plan = plan_join(spec, records, peer_id=peer_id, flops=flops, now=SYSTEM_CLOCK.dht_time(), forced_stage=config.start_stage,
                          needed_bytes_fn=lambda k: stage_memory_bytes(spec, k, max_in_flight=config.max_in_flight,
                                                                       checkpoint_activations=config.activation_checkpointing),
                          budget_bytes=budget, budget_source=source)

@@ -31,7 +31,8 @@ import torch
 
 from dht.layouts import STANDBY
 from dht.records import PeerRecord, RunSpec
-from dht.registry import declare_peer, dht_time
+from dht.clock import SYSTEM_CLOCK, Clock
+from dht.registry import declare_peer
 from dht.reputation import Reputation
 from dht.wire import TRAFFIC, UPLOAD_LIMIT
 from peer.backup import HOLDER_STATES, BackupKeeper, RescueWatch
@@ -69,8 +70,8 @@ SNAPSHOT_PERIOD = 1.0  # seconds between the snapshots the peer's windows read
 class Peer:
     """One volunteer peer. ``await peer.run(stop)`` trains until ``stop`` is set, then leaves."""
 
-    def __init__(self, config: PeerConfig) -> None:
-        self.config = config
+    def __init__(self, config: PeerConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config, self.clock = config, clock
         self.role = config.resolved_role
         self.metrics = EventLog(config.metrics_file)
         self.state = PeerState.JOINING
@@ -148,13 +149,13 @@ class Peer:
         self.device = device = resolve_device(config.device)
         self.flops = await asyncio.to_thread(measure_flops, self.spec, device)
         logger.info(f"measured {self.flops / 1e9:.2f} GFLOP/s on {device}")
-        self.view = SwarmView(self.dht, self.spec.run_id)
+        self.view = SwarmView(self.dht, self.spec.run_id, clock=self.clock)
         await self.view.refresh()
         self.p2p = await self.dht.replicate_p2p()  # the run's tokenizer may come from the swarm
         await self.node.serve(self.p2p, self.view, lambda: self.stage.index if self.stage else -1, metrics=self.metrics)
         self.data = await TrainingData.open(self.p2p, self.spec, self.view, corpus, config=config, peer_id=self.peer_id)
         self.spec = self._layout_to_join()
-        self.announced_at = dht_time()
+        self.announced_at = self.clock.dht_time()
         stage_index, snapshot = await self._choose_stage()
         self.metrics.write("joined", peer_id=self.peer_id, stage=stage_index, flops=self.flops,
                            snapshot=[r.to_wire(with_binding=False) for r in snapshot])
@@ -169,7 +170,8 @@ class Peer:
                                    metrics=self.metrics, reputation=self.reputation)
         self.ctx = PeerContext(config=config, role=self.role, peer_id=self.peer_id, dht=self.dht, p2p=self.p2p,
                                view=self.view, base_spec=self.base_spec, keeper=self.keeper, metrics=self.metrics,
-                               reputation=self.reputation, faults=self.faults, tokens=self.data.tokens)
+                               reputation=self.reputation, faults=self.faults, tokens=self.data.tokens,
+                               clock=self.clock)
         if "slow_device" in self.faults:
             inject_slow_device(self)
         self.loader = StateLoader(self.p2p, self.view, peer_id=self.peer_id, config=config, keeper=self.keeper,
@@ -238,7 +240,7 @@ class Peer:
 
     async def _switch_stage(self, transition: StageMove | Rescue) -> None:
         """The session closed as a leaving peer's would: obtain ``transition.to_stage``'s state."""
-        self.announced_at = dht_time()  # a newer record: peers that saw the leave notice see it again
+        self.announced_at = self.clock.dht_time()  # a newer record: peers that saw the leave notice see it again
         await self._enter_stage(transition.to_stage)
         source = await self.loader.load(self.stage, self.spec)
         if isinstance(transition, StageMove):
@@ -296,7 +298,7 @@ class Peer:
         self.view.set_layout(self.spec.layout_version, self.spec.stage_layers)
         self.layout_change = change
         self.averaged_round = (0.0, "")  # the old stage's last round: nothing to compare with under the new layout
-        self.announced_at = dht_time()
+        self.announced_at = self.clock.dht_time()
 
     async def _leave_standby(self, stop: asyncio.Event) -> bool:
         """Stand by until a layout names a stage for this peer, then load it from its holders (False: stopped)."""

@@ -29,7 +29,6 @@ import time
 import torch
 
 from dht.records import PeerRecord, RunSpec
-from dht.registry import dht_time
 from peer.backup import RescueWatch
 from peer.checkpoint import WriteProgress, checkpoint_path, save_checkpoint
 from peer.context import PeerContext, SessionHost
@@ -141,7 +140,7 @@ class StageSession:
                                               timeout=min(config.request_timeout, GRADIENT_SYNC_TIMEOUT),
                                               max_payload_bytes=max_payload, aggregation=config.aggregation,
                                               on_event=self._on_stage_event,
-                                              links=ctx.links, striped=config.stripe_calls == "auto")
+                                              links=ctx.links, striped=config.stripe_calls == "auto", clock=ctx.clock)
             await self.gradient_sync.start()
         self.replication = ReplicationServer(ctx.p2p, run_id=spec.namespace, stage=stage.index,
                                              snapshot_fn=self._serving_snapshot, request_timeout=config.request_timeout,
@@ -153,21 +152,23 @@ class StageSession:
         events = self.events
         self.notices = events.notices = MembershipNotices(ctx.p2p, ctx.view, run_id=spec.run_id, peer_id=ctx.peer_id,
                                                           on_notice=events.on_notice, on_rumour=events.on_rumour,
-                                                          reputation=ctx.reputation)
+                                                          reputation=ctx.reputation, clock=ctx.clock)
         await self.notices.start()
         self.detector = events.detector = FailureDetector(ctx.p2p, ctx.view, peer_id=ctx.peer_id, stage=stage.index,
                                                           handler=membership_handler(spec.run_id),
-                                                          on_down=events.peer_down, on_link=events.on_link, links=ctx.links)
+                                                          on_down=events.peer_down, on_link=events.on_link, links=ctx.links,
+                                                          clock=ctx.clock)
         ctx.view.on_change = events.on_view_change
         ctx.view.vouch = self.detector.vouches_for  # a neighbour that answers keeps its place if its record lapses
         self.averager = StageAverager(stage, ctx.dht, ctx.view, client_mode=ctx.role == "unreliable" or config.client_mode,
                                       aggregation=config.aggregation, on_round=self._on_round, reputation=ctx.reputation,
+                                      clock=ctx.clock,
                                       # a round's reduce refused (NaN/Inf) or out-voted parts (swarm/robust_allreduce.py)
                                       on_outliers=lambda report: self._on_stage_event("averaging_outliers", **report),
                                       on_discard=lambda at, size, members: self._on_stage_event(
                                           "averaging_dropped", at=at, group_size=size, num_members=members))
         self.detector.busy_since = self.averager.exchanged_since  # no silence verdicts across its own rounds
-        self.averager.loaded_from(stage.loaded_from, dht_time())
+        self.averager.loaded_from(stage.loaded_from, ctx.clock.dht_time())
         stage.loaded_from = ()  # once: a later session of this replica shares its state with nobody yet
         if stage.is_first:
             self.trainer = self._new_trainer(replay)
@@ -196,7 +197,7 @@ class StageSession:
                        heldout=sampler.heldout_batches(config.eval_sequences, spec.microbatch_size),
                        batch_slots=self.gradient_sync and self.gradient_sync.slots,
                        flow=FlowWindow(max_window=config.max_in_flight, clock=ctx.clock) if config.flow_control == "auto" else None,
-                       stage_flops=[stage_flops_per_sample(spec, k) for k in range(spec.num_stages)])
+                       stage_flops=[stage_flops_per_sample(spec, k) for k in range(spec.num_stages)], clock=ctx.clock)
 
     async def serve(self, stop: asyncio.Event) -> Transition | None:
         """Train until ``stop`` is set (the peer sets it at ``--run-for`` too); returns the transition a watch
@@ -221,10 +222,10 @@ class StageSession:
                                     max_in_flight=config.max_in_flight, clock=ctx.clock,
                                     adoption=AdoptionConfig(min_gain=config.global_plan_min_gain),
                                     next_check=lambda: seconds_to_check(turn_members(ctx.view, ctx.peer_id),
-                                                                        ctx.peer_id, dht_time(), period))
-            since = dht_time()  # this session serves the layout from now on
+                                                                        ctx.peer_id, ctx.clock.dht_time(), period))
+            since = ctx.clock.dht_time()  # this session serves the layout from now on
             propose = None if config.stage >= 0 else lambda adoption: proposed_change(  # a pinned peer never moves
-                adoption, ctx.view, self.spec, ctx.base_spec, peer_id=ctx.peer_id, now=dht_time(),
+                adoption, ctx.view, self.spec, ctx.base_spec, peer_id=ctx.peer_id, now=ctx.clock.dht_time(),
                 period=period, layout_since=since)
             watches.append(self._spawn("global-plan", plans.run(stop_tasks, propose=propose)))
         if config.rebalance_period > 0 and config.stage < 0:  # a peer pinned with --stage stays

@@ -7,12 +7,13 @@ can do wrong is one of ``DONOR_FAULTS``; the caller drops that donor and re-plan
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hivemind.p2p import P2P
 
+from dht.clock import SYSTEM_CLOCK
 from dht.reputation import Reputation
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
 from dht.wire import ProtocolError
@@ -36,17 +37,19 @@ class Session:
     config: TransferConfig
     reputation: Reputation | None = None  # strikes donors caught lying (replication/fetcher.py)
     expected: StateLayout | None = None  # the layout the run spec implies: any other manifest is refused
+    clock: Callable[[], float] = SYSTEM_CLOCK  # what the pull's plan and timings read (dht.clock)
 
 
-async def call_probe(p2p: P2P, peer_id: str, *, run_id: str, nbytes: int, timeout: float) -> float:
+async def call_probe(p2p: P2P, peer_id: str, *, run_id: str, nbytes: int, timeout: float,
+                     clock: Callable[[], float] = SYSTEM_CLOCK) -> float:
     """Seconds for one probe of ``nbytes`` zero bytes from ``peer_id`` (stream set-up included)."""
-    started = time.perf_counter()
+    started = clock()
     reply, tensors = await call_peer(p2p, peer_id, probe_handler(run_id), {"nbytes": nbytes},
                                      timeout=timeout, max_payload_bytes=padded_bytes(nbytes))
     if reply.get("nbytes") != nbytes:
         raise ProtocolError(f"{peer_id[-6:]} answered a probe of {nbytes} bytes with something else")
     unpack_bytes(tensors, nbytes)
-    return time.perf_counter() - started
+    return clock() - started
 
 
 async def call_manifest(session: Session, peer_id: str, *, piece_bytes: int, version: int | None) -> Manifest:

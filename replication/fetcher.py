@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -140,7 +139,7 @@ class PieceFetcher:
         self._group: asyncio.TaskGroup | None = None
 
     async def run(self) -> None:
-        started = time.monotonic()
+        started = self.session.clock()
         async with asyncio.TaskGroup() as group:
             self._group = group
             self.report.estimated_seconds = self._assign(sorted(self.runs)) - started
@@ -186,7 +185,7 @@ class PieceFetcher:
     def _assign(self, run_ids: Sequence[int]) -> float:
         """Alg. 2 over ``run_ids`` and the live donors; queues them and starts workers. Returns
         the plan's makespan."""
-        now = time.monotonic()
+        now = self.session.clock()
         live = {peer: donor for peer, donor in self.donors.items() if not donor.failed}
         if not run_ids or not live:
             return now
@@ -259,7 +258,7 @@ class PieceFetcher:
             d.queue for p, d in self.donors.items() if p != peer and not d.failed)
 
     def _endgame_pick(self, peer: str, donor: _Donor) -> int | None:
-        now = time.monotonic()
+        now = self.session.clock()
         mine = self._planning_link(peer, donor, now)
         best, best_gain = None, 0.0
         for other_peer, other in self.donors.items():
@@ -280,7 +279,7 @@ class PieceFetcher:
     async def _fetch(self, peer: str, donor: _Donor, run_id: int) -> None:
         run, config = self.runs[run_id], self.session.config
         ahead = len(donor.in_flight)
-        sent = time.monotonic()
+        sent = self.session.clock()
         donor.in_flight[run_id] = sent
         deadline = config.shard_timeout_floor + config.shard_timeout_slack * (1 + ahead) * (
             donor.probed.propagation_delay + run.nbytes * max(donor.per_byte(), donor.probed.per_byte_delay))
@@ -312,7 +311,7 @@ class PieceFetcher:
                     self.fetches.pop(run_id, None)
             if not request.done():
                 request.cancel()
-        now = time.monotonic()
+        now = self.session.clock()
         donor.service_seconds += now - max(sent, donor.last_done)
         donor.bytes_done += run.nbytes
         donor.last_done = now

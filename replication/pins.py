@@ -28,9 +28,10 @@ Pure bookkeeping with an injected clock (seconds, monotonic), so the tests need 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from dht.clock import SYSTEM_CLOCK
 
 __all__ = ["VersionPins"]
 
@@ -54,7 +55,7 @@ class VersionPins:
     """
 
     def __init__(self, *, hold_timeout: float, max_pinned: int = 1, max_callers: int = 256,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = SYSTEM_CLOCK) -> None:
         if not hold_timeout > 0 or max_pinned < 0 or max_callers < 1:
             raise ValueError("hold_timeout must be > 0, max_pinned >= 0 and max_callers >= 1")
         self.hold_timeout, self.max_pinned, self.max_callers, self.clock = hold_timeout, max_pinned, max_callers, clock

@@ -30,8 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import msgpack
 import torch
 from hivemind.p2p import P2P
 
+from dht.clock import SYSTEM_CLOCK
 from dht.reputation import Reputation
 from replication.assignment import NeighbourLink, plan_replication
 from replication.client import DONOR_FAULTS, Session, call_manifest, call_probe
@@ -84,9 +84,10 @@ async def probe_donors(session: Session, donors: Sequence[str], report: PullRepo
         try:
             for _ in range(config.num_probe_rounds):
                 tiny = min(tiny, await call_probe(session.p2p, peer_id, run_id=session.run_id, nbytes=0,
-                                                  timeout=config.request_timeout))
+                                                  timeout=config.request_timeout, clock=session.clock))
                 big = min(big, await call_probe(session.p2p, peer_id, run_id=session.run_id,
-                                                nbytes=config.probe_bytes, timeout=config.request_timeout))
+                                                nbytes=config.probe_bytes, timeout=config.request_timeout,
+                                                clock=session.clock))
         except DONOR_FAULTS as e:
             drop_donor(report, peer_id, f"probe failed: {e}")
             return None
@@ -148,7 +149,7 @@ async def agree_on_manifest(
 
 async def pull_state(
     p2p: P2P, donors: Sequence[str], *, run_id: str, stage: int, store_dir: Path, config: TransferConfig,
-    reputation: Reputation | None = None, expected: StateLayout | None = None,
+    reputation: Reputation | None = None, expected: StateLayout | None = None, clock: Callable[[], float] = SYSTEM_CLOCK,
 ) -> PullResult:
     """Pulls stage ``stage``'s state from ``donors`` (seed 003 §III), resuming from ``store_dir``.
 
@@ -162,9 +163,9 @@ async def pull_state(
         TransferError: the state could not be completed; its ``report`` says which donor failed how.
         ValueError: no donors given.
     """
-    report, clock = PullReport(), time.monotonic()
+    report, since = PullReport(), clock()
     donors = _unbanned(donors, reputation, report)
-    session = Session(p2p, run_id, stage, config, reputation, expected)
+    session = Session(p2p, run_id, stage, config, reputation, expected, clock=clock)
     links, (agreeing, manifest) = await asyncio.gather(
         probe_donors(session, donors, report), agree_on_manifest(session, donors, report))
     while True:
@@ -172,12 +173,12 @@ async def pull_state(
         if not usable:
             raise TransferError("no donor both answered the probes and agreed on the manifest", report)
         report.donors = sorted(usable)
-        clock = _lap(report, "probe", clock)
+        since = _lap(report, "probe", since, clock=clock)
         try:
-            store, fetcher, clock = await _fetch_pieces(session, store_dir, manifest, usable, report, clock)
+            store, fetcher, since = await _fetch_pieces(session, store_dir, manifest, usable, report, since)
             break
         except StaleVersionError as e:
-            clock = time.monotonic()  # the failed attempt's plan and transfer are lapped already
+            since = clock()  # the failed attempt's plan and transfer are lapped already
             agreeing, manifest = await _replan_version(session, manifest, e, report)
     # Every piece was verified on arrival; a buffer filled in memory needs no second pass over the
     # disk, and the tensors share it. Pieces resumed from disk are read back by assemble(), which
@@ -186,7 +187,7 @@ async def pull_state(
     if data is None:
         data = await asyncio.to_thread(store.assemble)
     state = await asyncio.to_thread(restore_state, manifest, data, verify=False, share=True)
-    _lap(report, "restore", clock)
+    _lap(report, "restore", since, clock=clock)
     report.seconds = sum(report.phase_seconds.values())
     logger.info(f"replication: stage {stage} v{manifest.version} pulled, {manifest.total_bytes} bytes in "
                 f"{report.seconds:.2f} s from {len(report.bytes_by_donor)} donors, "
@@ -214,8 +215,8 @@ def _unbanned(donors: Sequence[str], reputation: Reputation | None, report: Pull
 
 
 async def _fetch_pieces(session: Session, store_dir: Path, manifest: Manifest, usable: dict[str, NeighbourLink],
-                        report: PullReport, clock: float) -> tuple[ShardStore, PieceFetcher, float]:
-    """Steps 3-5 of the module docstring for ``manifest``: the store, the fetcher that filled it, the lap clock.
+                        report: PullReport, since: float) -> tuple[ShardStore, PieceFetcher, float]:
+    """Steps 3-5 of the module docstring for ``manifest``: the store, the fetcher that filled it, when its last lap ended.
 
     Raises:
         StaleVersionError: the donors evicted ``manifest``'s version before every piece came.
@@ -230,13 +231,13 @@ async def _fetch_pieces(session: Session, store_dir: Path, manifest: Manifest, u
     report.shard_bytes = shard_bytes = _plan_shard_bytes(
         sum(piece_sizes[i] for i in missing), manifest.shard_bytes, list(usable.values()), config)
     runs = split_runs(missing, piece_sizes, shard_bytes // manifest.shard_bytes)
-    clock = _lap(report, "plan", clock)
+    since = _lap(report, "plan", since, clock=session.clock)
     fetcher = PieceFetcher(session, store, usable, report, runs)
     try:
         await fetcher.run()
     finally:
-        clock = _lap(report, "transfer", clock)
-    return store, fetcher, clock
+        since = _lap(report, "transfer", since, clock=session.clock)
+    return store, fetcher, since
 
 
 async def _replan_version(session: Session, stale: Manifest, error: StaleVersionError,
@@ -263,9 +264,9 @@ async def _replan_version(session: Session, stale: Manifest, error: StaleVersion
     return await agree_on_manifest(session, error.donors, report)
 
 
-def _lap(report: PullReport, phase: str, since: float) -> float:
+def _lap(report: PullReport, phase: str, since: float, *, clock: Callable[[], float]) -> float:
     """Adds the time since ``since`` to ``phase`` (a re-planned pull goes through the phases again)."""
-    now = time.monotonic()
+    now = clock()
     report.phase_seconds[phase] = report.phase_seconds.get(phase, 0.0) + now - since
     return now
 

@@ -26,11 +26,10 @@ unanswered: ``swarm.stage_server``'s tarpit) while an honest newcomer turned awa
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import time
 from collections.abc import Awaitable, Callable
 
+from dht.clock import SYSTEM_CLOCK
 from dht.reputation import Reputation
 from swarm.view import SwarmView
 
@@ -45,7 +44,7 @@ class RateLimit:
     """A token bucket per sender: ``rate`` requests per second, bursts of ``burst``; bounded memory
     (the least recently seen senders are forgotten first, which only ever refills their bucket)."""
 
-    def __init__(self, rate: float, *, burst: float | None = None, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, rate: float, *, burst: float | None = None, clock: Callable[[], float] = SYSTEM_CLOCK,
                  max_senders: int = MAX_TRACKED_SENDERS) -> None:
         if not rate > 0:
             raise ValueError(f"rate must be positive, got {rate}")
@@ -77,8 +76,8 @@ class Admission:
 
     def __init__(self, view: SwarmView, stage: int, *, max_per_second: float = MAX_FORWARDS_PER_SECOND,
                  recheck_age: float = RECHECK_AGE, reputation: Reputation | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                 clock: Callable[[], float] = SYSTEM_CLOCK,
+                 sleep: Callable[[float], Awaitable[None]] = SYSTEM_CLOCK.sleep) -> None:
         self.view, self.stage, self.recheck_age, self.reputation = view, stage, recheck_age, reputation
         self.clock, self.sleep = clock, sleep
         self.limit = RateLimit(max_per_second, burst=2 * max_per_second, clock=clock) if max_per_second > 0 else None

@@ -27,13 +27,12 @@ import asyncio
 import logging
 import math
 import signal
-import time
 from collections.abc import Callable, Iterable
 
 import hivemind
 import torch
 
-from dht.registry import dht_time
+from dht.clock import SYSTEM_CLOCK, Clock
 from dht.reputation import Reputation
 from swarm.plausibility import PairAnchors, drift, initial_parameters, pair_shift, partner_steps_since
 from swarm.robust import MIN_ROBUST_ROWS
@@ -101,8 +100,9 @@ class StageAverager:
         on_outliers: Callable[[Report], None] = lambda report: None,
         on_discard: Callable[[float, int, int], None] = lambda at, size, members: None,
         reputation: Reputation | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self.stage, self.dht, self.view = stage, dht, view
+        self.stage, self.dht, self.view, self.clock = stage, dht, view, clock
         self.period = stage.spec.averaging_period
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
         self.aggregation = aggregation
@@ -152,8 +152,8 @@ class StageAverager:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            at = self.next_round_time(dht_time())
-            await _sleep_until(at - self.matchmaking_time - PREPARE_AHEAD, stop)
+            at = self.next_round_time(self.clock.dht_time())
+            await _sleep_until(at - self.matchmaking_time - PREPARE_AHEAD, stop, clock=self.clock)
             if stop.is_set():
                 return
             if len(self.view.members(self.stage.index)) < 2:
@@ -196,7 +196,7 @@ class StageAverager:
         round's group enters ``last_seen`` (so this round's members count once, whoever they are)."""
         control = self.averager.step(scheduled_time=at, require_trigger=True, wait=False,
                                      timeout=self.matchmaking_time + PREPARE_AHEAD + 2.0, allow_retries=False)
-        await _sleep_until(at, stop)
+        await _sleep_until(at, stop, clock=self.clock)
         if stop.is_set() or control.done():  # leaving, or no group was found
             control.cancel()
             self.num_failed_rounds += 1
@@ -211,7 +211,7 @@ class StageAverager:
                 logger.info(f"averaging round at {at:.0f} failed: {e!r}")
                 group = None
             finally:
-                self._exchange_ended = time.monotonic()
+                self._exchange_ended = self.clock()
             if not group:
                 self.num_failed_rounds += 1
                 return False
@@ -309,8 +309,9 @@ class StageAverager:
         return self.stage.publish_averaged(version=int(at))
 
 
-async def _sleep_until(deadline: float, stop: asyncio.Event) -> None:
-    delay = deadline - dht_time()
+async def _sleep_until(deadline: float, stop: asyncio.Event, *, clock: Clock) -> None:
+    """Until ``deadline`` on the DHT's clock, or until ``stop`` is set."""
+    delay = deadline - clock.dht_time()
     if delay > 0:
         try:
             await asyncio.wait_for(stop.wait(), timeout=delay)

@@ -48,11 +48,11 @@ import asyncio
 import collections
 import logging
 import math
-import time
 from collections.abc import Callable
 
 from hivemind.p2p import P2P
 
+from dht.clock import SYSTEM_CLOCK, Clock
 from dht.node import first_line
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer
 from swarm.links import LinkMeter
@@ -156,11 +156,13 @@ class FailureDetector:
         on_link: Callable[[str, str], None] = lambda kind, peer_id: None,
         links: LinkMeter | None = None,
         acceptable_pause: float = ACCEPTABLE_PAUSE,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self.clock = clock
         self.p2p, self.view, self.peer_id, self.stage, self.handler = p2p, view, peer_id, stage, handler
         self.on_down, self.ping_period, self.threshold = on_down, ping_period, threshold
         self.max_failed_pings, self.min_std, self.on_link = max_failed_pings, min_std, on_link
-        self.links = links if links is not None else LinkMeter()
+        self.links = links if links is not None else LinkMeter(clock=clock)
         self.acceptable_pause = acceptable_pause
         # whether this peer's link was busy with a bulk exchange of its own at some moment since the
         # given monotonic time (the session points it at its averager's ``exchanged_since``)
@@ -173,7 +175,7 @@ class FailureDetector:
         self._pinging: dict[str, asyncio.Task] = {}
         self.down: set[str] = set()
         self._recheck_at: dict[str, float] = {}
-        self._last_tick = time.monotonic()
+        self._last_tick = self.clock()
         self._stalled_at = -math.inf
         self.num_pings = 0
 
@@ -199,7 +201,7 @@ class FailureDetector:
         monitor = self.monitors.get(peer_id)
         if peer_id in self.down or monitor is None or monitor.last is None:
             return False
-        return (time.monotonic() if now is None else now) - monitor.last <= VOUCH_WINDOW
+        return (self.clock() if now is None else now) - monitor.last <= VOUCH_WINDOW
 
     def declare_down(self, peer_id: str, how: str) -> bool:
         """Mark ``peer_id`` down (once); returns whether this was news."""
@@ -220,10 +222,10 @@ class FailureDetector:
         does not confirm a false rumour."""
         rto = self.links.retransmit_timeout(peer_id)
         timeout = max(timeout, FIRST_PING_DEADLINE if rto is None else 2 * rto)
-        started = time.monotonic()
+        started = self.clock()
         answered = await self._ping_once(peer_id, timeout) == "answered"
         if answered:
-            self.links.round_trip(peer_id, time.monotonic() - started)
+            self.links.round_trip(peer_id, self.clock() - started)
         return answered
 
     async def _ping_once(self, peer_id: str, timeout: float) -> str:
@@ -249,7 +251,7 @@ class FailureDetector:
     async def run(self, stop: asyncio.Event) -> None:
         try:
             while not stop.is_set():
-                self.tick(time.monotonic())
+                self.tick(self.clock())
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=self.ping_period)
                 except asyncio.TimeoutError:
@@ -298,7 +300,7 @@ class FailureDetector:
         meanwhile) but goes on waiting, up to twice that and at least ``acceptable_pause`` more, with a
         second ping beside it: an answer to either clears the strike and teaches the link's round-trip
         estimate its queue; no answer by then is a second strike (down)."""
-        started = time.monotonic()
+        started = self.clock()
         self.num_pings += 1
         wait = deadline + max(deadline, self.acceptable_pause)
         pings = [asyncio.ensure_future(self._ping_once(peer_id, wait))]
@@ -322,7 +324,7 @@ class FailureDetector:
         if monitor is None:
             return
         if outcome == "answered":
-            now = time.monotonic()
+            now = self.clock()
             self.links.round_trip(peer_id, now - started)
             monitor.heartbeat(now)
             if self._failed[peer_id]:
@@ -332,7 +334,7 @@ class FailureDetector:
             logger.debug(f"{peer_id[-6:]}: a ping reached its daemon but not its handler: {self._refusals.get(peer_id)}")
         elif outcome == "refused" or self._counts_as_silence(peer_id, started):
             how = f"refused ({self._refusals.get(peer_id)})" if outcome == "refused" else outcome
-            self._strike(peer_id, f"{how} after {time.monotonic() - started:.2f}s (deadline {deadline:.2f}s)")
+            self._strike(peer_id, f"{how} after {self.clock() - started:.2f}s (deadline {deadline:.2f}s)")
 
     def _counts_as_silence(self, peer_id: str, since: float) -> bool:
         """A ping unanswered since ``since`` says something only if this peer did not stall meanwhile
@@ -340,7 +342,7 @@ class FailureDetector:
         a ping waits behind the same bytes on a congested link), this peer sent it no bulk push
         meanwhile (the ping waits behind that), and this peer's link carried no bulk exchange of its
         own (an averaging round)."""
-        stalled = self._stalled_at >= since or time.monotonic() - self._last_tick > STALL_FACTOR * self.ping_period
+        stalled = self._stalled_at >= since or self.clock() - self._last_tick > STALL_FACTOR * self.ping_period
         return (not stalled and not self.links.heard_since(peer_id, since) and not self.links.sent_since(peer_id, since)
                 and not self.busy_since(since))
 

@@ -47,9 +47,10 @@ Pure: the clock is injected; no asyncio, no torch. :class:`swarm.trainer.Trainer
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from dht.clock import SYSTEM_CLOCK
 
 INITIAL_WINDOW = 2  # microbatches in flight before any round trip was measured
 ALPHA = 1.0  # microbatches allowed to queue on the path before the window stops growing
@@ -75,7 +76,7 @@ class WindowEstimate:
 class FlowWindow:
     """The in-flight window of one stage-0 peer; see the module docstring for the law."""
 
-    def __init__(self, *, max_window: int, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, *, max_window: int, clock: Callable[[], float] = SYSTEM_CLOCK,
                  initial_window: int = INITIAL_WINDOW, min_rtt_period: float = MIN_RTT_PERIOD) -> None:
         if max_window < 1 or initial_window < 1:
             raise ValueError("max_window and initial_window must be >= 1")

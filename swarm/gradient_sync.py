@@ -65,6 +65,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
+from dht.clock import SYSTEM_CLOCK, Clock
 from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.striping import stripe_count
 from dht.wire import ProtocolError, require_tensor
@@ -152,8 +153,8 @@ class GradientSync:
     def __init__(self, p2p: P2P, view: SwarmView, stage: Stage, *, peer_id: str, timeout: float,
                  max_payload_bytes: int, aggregation: str = "mean",
                  on_event: Callable[..., None] = lambda event, **fields: None,
-                 links: LinkMeter | None = None, striped: bool = True) -> None:
-        self.p2p, self.view, self.stage, self.peer_id = p2p, view, stage, peer_id
+                 links: LinkMeter | None = None, striped: bool = True, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.p2p, self.view, self.stage, self.peer_id, self.clock = p2p, view, stage, peer_id, clock
         # the links to co-replicas: their pushes count as heard and this peer's as sent (the failure
         # detector's); a long round trip stripes a push when ``striped`` (dht.striping)
         self.links, self.striped = links, striped
@@ -214,7 +215,7 @@ class GradientSync:
             gradients, wire = self.encode(gradients)
         contributions = {self.peer_id: (gradients, count)}
         header = {"batch": batch, "count": count, "weights": weights, "steps": self.stage.optimizer_steps}
-        started = asyncio.get_running_loop().time()
+        started = self.clock()
         if members:
             for peer_id in members:  # theirs may come first: they still need this one
                 self._push_soon(peer_id, batch, header, wire)
@@ -226,7 +227,7 @@ class GradientSync:
             self._late = {p for p in members if p not in contributions and p not in ahead and not self.view.is_gone(p)}
         missing = [p[-6:] for p in members if p not in contributions]
         self.on_event("gradients_exchanged", batch=batch, co_replicas=len(members), missing=len(missing),
-                      seconds=round(asyncio.get_running_loop().time() - started, 4))  # what a step waits on its co-replicas
+                      seconds=round(self.clock() - started, 4))  # what a step waits on its co-replicas
         self.num_exchanges += 1
         self.num_alone += not members
         if missing:
@@ -375,10 +376,9 @@ class GradientSync:
             logger.debug(f"state after batch {batch} not delivered to {peer_id[-6:]}: {e}")
 
     async def _wait_state(self, batch: int, source: str) -> torch.Tensor | None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wait_limit()
+        deadline = self.clock() + self.wait_limit()
         while source not in self._states.get(batch, {}) and not self.view.is_gone(source):
-            remaining = deadline - loop.time()
+            remaining = deadline - self.clock()
             if remaining <= 0:
                 return None
             self._arrived.clear()
@@ -396,16 +396,15 @@ class GradientSync:
         return min(self.wait_limit(), max(MIN_LATE_WAIT, LATE_FACTOR * (self.typical_wait or 0.0)))
 
     async def _wait_contributions(self, batch: int, members: list[str]) -> None:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = self.clock()
         deadline, late_deadline = started + self.wait_limit(), started + self.late_wait_limit()
         while True:
-            received, ahead, now = self._received.get(batch, {}), self._ahead.get(batch, set()), loop.time()
+            received, ahead, now = self._received.get(batch, {}), self._ahead.get(batch, set()), self.clock()
             waiting = [p for p in members if p not in received and p not in ahead and not self.view.is_gone(p)
                        and (p not in self._late or now < late_deadline)]
             remaining = (deadline if any(p not in self._late for p in waiting) else late_deadline) - now
             if not waiting and all(p in received or p in ahead for p in members if p not in self._late):
-                took = loop.time() - started
+                took = self.clock() - started
                 self.typical_wait = took if self.typical_wait is None else (
                     (1 - WAIT_SMOOTHING) * self.typical_wait + WAIT_SMOOTHING * took)
                 return

@@ -30,10 +30,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from dht.clock import SYSTEM_CLOCK
 from dht.link_figures import MAX_LINK_FIGURES, LinkFigure
 
 MAX_PEERS = 256
@@ -58,7 +58,7 @@ class _Link:
 class LinkMeter:
     """Per-peer round-trip time, goodput and last-heard time; see the module docstring."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic, max_peers: int = MAX_PEERS) -> None:
+    def __init__(self, *, clock: Callable[[], float] = SYSTEM_CLOCK, max_peers: int = MAX_PEERS) -> None:
         self.clock, self.max_peers = clock, max_peers
         self._links: collections.OrderedDict[str, _Link] = collections.OrderedDict()
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from hivemind.p2p import P2P
 
+from dht.clock import SYSTEM_CLOCK
 from dht.reputation import Reputation
 from dht.rpc import Declined, PeerUnavailableError, RemoteError, call_peer, serve_request
 from dht.wire import ProtocolError
@@ -46,9 +46,9 @@ class MembershipNotices:
         self, p2p: P2P, view: SwarmView, *, run_id: str, peer_id: str,
         on_notice: Callable[[dict[str, Any]], None] = lambda notice: None,
         on_rumour: Callable[[str, str], None] = lambda peer_id, sender: None,
-        reputation: Reputation | None = None,
+        reputation: Reputation | None = None, clock: Callable[[], float] = SYSTEM_CLOCK,
     ) -> None:
-        self.p2p, self.view, self.run_id, self.peer_id = p2p, view, run_id, peer_id
+        self.p2p, self.view, self.run_id, self.peer_id, self.clock = p2p, view, run_id, peer_id, clock
         self.on_notice, self.on_rumour, self.reputation = on_notice, on_rumour, reputation
         self.num_refused = 0
 
@@ -97,9 +97,9 @@ class MembershipNotices:
     async def announce_leave(self) -> int:
         """Tell every peer in the view that this peer leaves; returns how many acknowledged."""
         targets = [r.peer_id for r in self.view.records if r.peer_id != self.peer_id]
-        started = time.monotonic()
+        started = self.clock()
         results = await asyncio.gather(*(self._notify(peer_id, "leave") for peer_id in targets))
-        logger.info(f"told {sum(results)}/{len(targets)} peers that this peer leaves ({time.monotonic() - started:.2f}s)")
+        logger.info(f"told {sum(results)}/{len(targets)} peers that this peer leaves ({self.clock() - started:.2f}s)")
         return sum(results)
 
     async def gossip_failure(self, failed: str) -> int:

@@ -44,9 +44,9 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
+from dht.clock import SYSTEM_CLOCK
 from swarm.robust import AGGREGATIONS, MIN_ROBUST_ROWS, RobustConfig, aggregate
 
 logger = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class RobustAverager(DecentralizedAverager):
             return
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update, alpha=self._averaging_alpha)
-            self.last_updated = get_dht_time()
+            self.last_updated = SYSTEM_CLOCK.dht_time()  # hivemind's field, on hivemind's clock (the machine's)
             self._state_updated.set()
         parts = runner.tensor_part_container
         if parts.failed_size:

@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import logging
 import random
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
+from dht.clock import SYSTEM_CLOCK
 from dht.records import PeerRecord
 from dht.reputation import Reputation
 from dht.rpc import (
@@ -159,7 +159,7 @@ class Router:
         sticky: bool = True,
         reputation: Reputation | None = None,
         spot_checker: SpotChecker | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = SYSTEM_CLOCK,
         links: LinkMeter | None = None,
         codec: BoundaryCodec | None = None,
         striped: bool = True,

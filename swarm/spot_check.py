@@ -39,7 +39,6 @@ import asyncio
 import logging
 import math
 import random
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P
 
+from dht.clock import SYSTEM_CLOCK
 from dht.reputation import Reputation
 from dht.rpc import PeerUnavailableError, RemoteError, call_peer, forward_handler
 
@@ -106,7 +106,7 @@ class SpotChecker:
     def __init__(
         self, p2p: P2P, *, run_id: str, fraction: float, tolerance: float, rng: random.Random,
         timeout: float, max_payload_bytes: int, reputation: Reputation | None = None,
-        on_event: Callable[..., None] = lambda event, **fields: None, clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[..., None] = lambda event, **fields: None, clock: Callable[[], float] = SYSTEM_CLOCK,
         seq_len: int | None = None,
     ) -> None:
         if not 0.0 <= fraction <= 1.0 or not 0.0 <= tolerance < math.inf:

@@ -36,12 +36,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
 
+from dht.clock import SYSTEM_CLOCK
 from dht.records import RunSpec
 from dht.rpc import Declined
 from swarm.model import StageModel, next_token_loss, stage_forward
@@ -63,8 +63,9 @@ class StageClosedError(Declined):
 class Stage:
     """A stage replica: master parameters, optimizer, the current weight version and held graphs."""
 
-    def __init__(self, spec: RunSpec, stage: int, *, device: torch.device, checkpoint_activations: bool = False) -> None:
-        self.spec, self.index, self.device = spec, stage, device
+    def __init__(self, spec: RunSpec, stage: int, *, device: torch.device, checkpoint_activations: bool = False,
+                 clock: Callable[[], float] = SYSTEM_CLOCK) -> None:
+        self.spec, self.index, self.device, self.clock = spec, stage, device, clock
         # checkpoint_activations: keep only block inputs per held graph, recompute in the backward (swarm.model)
         self.model = StageModel(spec, stage, checkpoint_activations=checkpoint_activations).to(device)
         self.subspace = subspace_of(spec)
@@ -253,7 +254,7 @@ class Stage:
 
     def record_microbatch(self, batch_size: int, loss: float | None = None) -> None:
         """Count a finished microbatch; start an optimizer step once the batch is complete."""
-        self.counters.add_samples(batch_size, time.monotonic())
+        self.counters.add_samples(batch_size, self.clock())
         if loss is not None:
             self.counters.last_loss = loss
         if self._accumulated_samples < self.spec.target_batch_size or self._step_task is not None:

@@ -33,13 +33,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dht.clock import SYSTEM_CLOCK
 from dht.rpc import Declined
 
 CACHE_BYTES = 32 << 20  # answers kept for re-deliveries, per replica
@@ -56,7 +56,6 @@ class Task:
     targets: torch.Tensor
     path: list[str] | None = None  # planned peer of stages 1..n-1 (replay mode); None: chosen per hop
     attempt: int = 0  # 0 for the first dispatch, then one more per replay
-    drawn_at: float = field(default_factory=time.monotonic)
     last_error: str = ""
 
     @property
@@ -71,7 +70,7 @@ class TaskPool:
     without spinning. Nothing leaves the pool but by being taken for a replay.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic, base_backoff: float = 0.25, max_backoff: float = 4.0) -> None:
+    def __init__(self, *, clock: Callable[[], float] = SYSTEM_CLOCK, base_backoff: float = 0.25, max_backoff: float = 4.0) -> None:
         self.clock, self.base_backoff, self.max_backoff = clock, base_backoff, max_backoff
         self._waiting: collections.deque[tuple[float, Task]] = collections.deque()
         self.num_replays = 0
@@ -118,7 +117,7 @@ class MicrobatchLedger:
 
     def __init__(
         self, *, cache_bytes: int = CACHE_BYTES, cache_ttl: float = CACHE_TTL, max_ids: int = MAX_COUNTED_IDS,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = SYSTEM_CLOCK,
     ) -> None:
         self.cache_bytes, self.cache_ttl, self.max_ids, self.clock = cache_bytes, cache_ttl, max_ids, clock
         self._running: dict[str, asyncio.Future] = {}

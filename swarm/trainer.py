@@ -27,12 +27,12 @@ import collections
 import itertools
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from dht.clock import SYSTEM_CLOCK, Clock
 from swarm.data import TokenSampler
 from swarm.flow_control import FlowWindow
 from swarm.router import NoPeerAvailableError, Router
@@ -64,6 +64,7 @@ class Trainer:
         eval_every: int = 0,
         batch_slots: Callable[[int], Sequence[int]] | None = None,
         flow: FlowWindow | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if not stage.is_first:
             raise ValueError("only stage 0 owns data and injects microbatches")
@@ -74,7 +75,8 @@ class Trainer:
         self.on_event = on_event
         self.stage_flops = list(stage_flops) or [1.0] * stage.spec.num_stages  # FLOP per sample of each stage
         self.sticky = sticky  # replay recovery: plan the path up front and keep it across replays
-        self.pool = TaskPool()
+        self.clock = clock
+        self.pool = TaskPool(clock=clock)
         self.in_flight: dict[str, Task] = {}
         self.num_unrouted = 0
         self.is_paused = False  # injects no new microbatch while set; in-flight ones finish
@@ -117,19 +119,19 @@ class Trainer:
         per_batch = -(-stage.spec.target_batch_size // stage.spec.microbatch_size)
         while not stop.is_set():
             await self.maybe_evaluate()
-            share, batch, began = self.begin_batch(per_batch), self._batch, time.monotonic()
+            share, batch, began = self.begin_batch(per_batch), self._batch, self.clock()
             async with asyncio.TaskGroup() as group:
                 for lane in range(min(self.max_in_flight, share)):
                     group.create_task(self._lane(stop, lane))
             if stop.is_set() and self._slots:
                 break  # stopped mid-batch: the co-replicas finish this batch without this replica
-            drained = time.monotonic()
+            drained = self.clock()
             if stage.exchanges_gradients:
                 await stage.close_batch()
             else:
                 await stage.wait_step_done()
             self.on_event("batch_done", batch=batch, microbatches=share, pipeline_s=round(drained - began, 4),
-                          close_s=round(time.monotonic() - drained, 4))
+                          close_s=round(self.clock() - drained, 4))
 
     @property
     def window(self) -> int:
@@ -146,10 +148,10 @@ class Trainer:
         return len(self._slots)
 
     async def _lane(self, stop: asyncio.Event, lane: int) -> None:
-        await asyncio.sleep(0.05 * lane)  # stagger lanes so they do not hit the pipeline in lockstep
+        await self.clock.sleep(0.05 * lane)  # stagger lanes so they do not hit the pipeline in lockstep
         while not stop.is_set():
             if self.is_paused:
-                await asyncio.sleep(PAUSE_POLL_PERIOD)
+                await self.clock.sleep(PAUSE_POLL_PERIOD)
                 continue
             if self._slots is not None and not self._slots and not len(self.pool) and not self.in_flight:
                 # flush: this batch is drawn and nothing of it waits for a replay, nor may come back as
@@ -161,7 +163,7 @@ class Trainer:
                 continue
             task = self.next_task()
             if task is None:  # only replays wait, not ready yet
-                await asyncio.sleep(min(self.pool.next_ready_in(), PAUSE_POLL_PERIOD))
+                await self.clock.sleep(min(self.pool.next_ready_in(), PAUSE_POLL_PERIOD))
                 continue
             try:
                 await self.run_task(task)
@@ -269,7 +271,7 @@ class Trainer:
         """``task`` through the whole pipeline and back; returns its loss. If no peer of stage 1 took
         it, it goes back to the pool and :class:`NoPeerAvailableError` is raised."""
         stage, batch_size = self.stage, task.batch_size
-        started = time.monotonic()
+        started = self.clock()
         self.in_flight[task.mb_id] = task
         try:
             if self.router is None:  # a single-stage run: stage 0 is also the last
@@ -278,14 +280,14 @@ class Trainer:
             else:
                 reply = await self._through_pipeline(task)
                 loss, route = float(reply.get("loss", float("nan"))), reply["route"]
-                self._tell_flow(time.monotonic() - started, reply)
+                self._tell_flow(self.clock() - started, reply)
         finally:
             del self.in_flight[task.mb_id]
         stage.record_microbatch(batch_size, loss)
         self.on_event("accumulated", mb_id=task.mb_id, samples=batch_size)
         self.on_microbatch({"mb_id": task.mb_id, "loss": loss, "route": route, "samples": batch_size,
                             "tokens": batch_size * stage.spec.model.seq_len, "attempts": task.attempt + 1,
-                            "seconds": time.monotonic() - started, "window": self.window})
+                            "seconds": self.clock() - started, "window": self.window})
         return loss
 
     async def _through_pipeline(self, task: Task) -> dict[str, Any]:

@@ -19,11 +19,11 @@ import dataclasses
 import logging
 import math
 import random
-import time
 from collections.abc import Awaitable, Callable
 
 import hivemind
 
+from dht.clock import SYSTEM_CLOCK, Clock
 from dht.link_figures import LinkFigure
 from dht.records import PeerRecord
 from dht.registry import fetch_peers
@@ -49,7 +49,7 @@ class SwarmView:
     def __init__(
         self, dht: hivemind.DHT, run_id: str, *, refresh_period: float = 1.0,
         on_change: Callable[[str, PeerRecord], None] = lambda kind, record: None,
-        carry_over: float = CARRY_OVER, clock: Callable[[], float] = time.monotonic,
+        carry_over: float = CARRY_OVER, clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.dht = dht
         self.clock, self.carry_over = clock, carry_over
@@ -146,7 +146,7 @@ class SwarmView:
         return self._by_stage.get(stage, frozenset())
 
     async def read_since(self, at: float, *, min_interval: float,
-                         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                         sleep: Callable[[float], Awaitable[None]] = SYSTEM_CLOCK.sleep) -> None:
         """Wait for a DHT read that started at ``at`` (this view's clock) or later: a record stored
         just before ``at`` is then in the view. Reads start at most one per ``min_interval`` seconds
         (the rest of the interval is slept first), concurrent callers share them, at most two are
@@ -222,7 +222,7 @@ class SwarmView:
                 warned = self.clock()  # a DHT read takes a few round trips: on a slow link, over a second
                 logger.warning(f"swarm view refresh took {elapsed:.2f}s, {SLOW_REFRESH_FACTOR}x its "
                                f"{self.refresh_period}s period or more (this peer sees others late)")
-            await asyncio.sleep(self.refresh_period * random.uniform(0.8, 1.2))
+            await self.clock.sleep(self.refresh_period * random.uniform(0.8, 1.2))
 
 
 def carried_over(previous: list[PeerRecord], fetched: list[PeerRecord], last_seen: dict[str, float], *,

@@ -37,7 +37,8 @@ import torch
 from dht.identity import PeerIdentity, identity_of
 from dht.node import DHTNodeConfig, open_dht
 from dht.records import PeerRecord, RunSpec, peers_key
-from dht.registry import declare_peer, dht_time
+from dht.clock import SYSTEM_CLOCK
+from dht.registry import declare_peer
 from peer.harness.local_swarm import wait_for
 from replication.server import ReplicationServer
 from swarm.membership import MembershipNotices
@@ -100,7 +101,7 @@ class HostileNode:
         if bind_as_self:
             peer_key, signature = identity_of(self.dht).bind(RUN_ID, self.validator.local_public_key)
             record = dataclasses.replace(record, peer_key=peer_key, peer_signature=signature)
-        return bool(await self.dht.store(peers_key(RUN_ID), record.to_wire(), dht_time() + ttl,
+        return bool(await self.dht.store(peers_key(RUN_ID), record.to_wire(), SYSTEM_CLOCK.dht_time() + ttl,
                                          subkey=self.validator.local_public_key, return_future=True))
 
     def shutdown(self) -> None:
@@ -133,7 +134,7 @@ def test_forged_records_claiming_other_peers_are_ignored(local_swarm):
     try:
         # 1. a live peer's id, with another stage and role, step 10**9, huge rates, a newer announcement
         lie = PeerRecord(peer_id=live_id, role="unreliable", state="training", stage=0, flops=1e18,
-                         samples_per_s=1e9, version=HUGE, num_samples=HUGE, announced_at=dht_time() + 60,
+                         samples_per_s=1e9, version=HUGE, num_samples=HUGE, announced_at=SYSTEM_CLOCK.dht_time() + 60,
                          backup_stage=0, backup_version=HUGE, maddrs=("/ip4/127.0.0.1/tcp/9",))
         # (a short TTL, refreshed: the DHT keeps the later-expiring entry of a key, and part 2 replaces it)
         assert any(forger.run(repeat(1.0, time.time() + 8, lambda: forger.store(lie, ttl=3, bind_as_self=True))))
@@ -148,10 +149,10 @@ def test_forged_records_claiming_other_peers_are_ignored(local_swarm):
         killed_at = time.time()
         os.killpg(doomed.pid, signal.SIGKILL)
         ghost = PeerRecord(peer_id=doomed_id, role="reliable", state="training", stage=1, flops=1e9,
-                           samples_per_s=1e3, announced_at=dht_time())
+                           samples_per_s=1e3, announced_at=SYSTEM_CLOCK.dht_time())
 
         async def heartbeat() -> bool:
-            return await forger.store(dataclasses.replace(ghost, announced_at=dht_time()), ttl=6, bind_as_self=True)
+            return await forger.store(dataclasses.replace(ghost, announced_at=SYSTEM_CLOCK.dht_time()), ttl=6, bind_as_self=True)
         forged = forger.spawn(repeat(1.0, killed_at + 32, heartbeat))
         survivors = [(first, ports[0]), (live, ports[1])]
         wait_for(lambda: all(doomed_id not in rows(port) for _, port in survivors), 20,
@@ -221,7 +222,7 @@ def test_a_peer_claiming_a_huge_version_and_rates_forces_no_reload(local_swarm, 
             return [p2p, notices, server]
         services = liar.run(serve())  # noqa: F841 (kept alive while it lies)
         claim = PeerRecord(peer_id=liar.peer_id, role="reliable", state="training", stage=1, flops=1e18,
-                           samples_per_s=1e9, version=HUGE, num_samples=HUGE, announced_at=dht_time(),
+                           samples_per_s=1e9, version=HUGE, num_samples=HUGE, announced_at=SYSTEM_CLOCK.dht_time(),
                            backup_stage=0, backup_version=HUGE)
 
         async def heartbeat() -> bool:

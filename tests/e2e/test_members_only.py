@@ -32,7 +32,8 @@ from hivemind.p2p import PeerID
 
 from dht.node import DHTNodeConfig, open_dht
 from dht.records import PeerRecord, RunSpec
-from dht.registry import declare_peer, dht_time
+from dht.clock import SYSTEM_CLOCK
+from dht.registry import declare_peer
 from dht.rpc import RemoteError, call_peer, forward_handler
 from peer.harness.local_swarm import wait_for
 from swarm.admission import TURNED_AWAY_PER_STRIKE
@@ -163,7 +164,7 @@ def test_strangers_are_refused_and_members_are_rate_limited(local_swarm):
         # a member over its share: declare a stage-0 record, then send malformed requests as fast as it goes
         member_dht, member_validator = open_dht(DHTNodeConfig(initial_peers=tuple(local_swarm.maddrs)))  # not banned
         me = PeerRecord(peer_id=member_dht.peer_id.to_base58(), role="reliable", state="syncing", stage=0, flops=1e9,
-                        announced_at=dht_time())
+                        announced_at=SYSTEM_CLOCK.dht_time())
 
         def evaluation():  # held-out work: computed and answered, never counted or learned from
             header, tensors = well_formed()

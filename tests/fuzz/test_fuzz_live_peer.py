@@ -34,7 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dht.node import DHTNodeConfig, open_dht
 from dht.records import PeerRecord, RunSpec, peers_key, spec_key
-from dht.registry import declare_peer, dht_time, fetch_peers
+from dht.clock import SYSTEM_CLOCK
+from dht.registry import declare_peer, fetch_peers
 from dht.rpc import call_peer, forward_handler
 from peer.harness.local_swarm import LocalSwarm, wait_for
 from peer.status.protocol import STATUS_PROTOCOL
@@ -212,7 +213,7 @@ async def stage0_member(dht, validator) -> AsyncIterator[P2P]:
     forwards only to stage 0's peers (swarm/admission.py), and in an open swarm anybody may claim
     stage 0 under its own identity, so what stands behind that gate is what the barrage measures."""
     record = PeerRecord(peer_id=dht.peer_id.to_base58(), role="reliable", state="syncing", stage=0, flops=1e9,
-                        announced_at=dht_time())
+                        announced_at=SYSTEM_CLOCK.dht_time())
 
     async def heartbeats() -> None:
         while True:
@@ -338,7 +339,7 @@ def test_garbage_dht_records_under_the_run_keys_are_refused_or_ignored(swarm):
     """Plain, unsigned and far-future values under the run's keys are refused by the nodes that store
     them; signed garbage is stored but every reader drops it; training goes on."""
     from dht.records import RUNS_KEY
-    from dht.registry import dht_time, fetch_run_specs
+    from dht.registry import fetch_run_specs
 
     before = len(swarm.losses())
     log_before = swarm.local.peers[0].log_path.read_text().count("ignoring a malformed peer record")
@@ -349,15 +350,15 @@ def test_garbage_dht_records_under_the_run_keys_are_refused_or_ignored(swarm):
         valid = (await fetch_peers(dht, RUN_ID))[0].to_wire()
         for key in (peers_key(RUN_ID), spec_key(RUN_ID), RUNS_KEY):
             # one plain value with a far expiration used to replace every heartbeat of the run
-            stored["plain"] += await dht.store(key, b"garbage", dht_time() + 10**6, return_future=True)
-            stored["unsigned"] += await dht.store(key, valid, dht_time() + 60, subkey=b"forged", return_future=True)
-            stored["far future"] += await dht.store(key, valid, dht_time() + 10**6, subkey=validator.local_public_key,
+            stored["plain"] += await dht.store(key, b"garbage", SYSTEM_CLOCK.dht_time() + 10**6, return_future=True)
+            stored["unsigned"] += await dht.store(key, valid, SYSTEM_CLOCK.dht_time() + 60, subkey=b"forged", return_future=True)
+            stored["far future"] += await dht.store(key, valid, SYSTEM_CLOCK.dht_time() + 10**6, subkey=validator.local_public_key,
                                                     return_future=True)
         garbage = itertools.islice(garbage_peer_records(valid, seed=SEED), DHT_GARBAGE_RECORDS)
         for number, (_, value) in enumerate(garbage):
             key = spec_key(RUN_ID) if number % 10 == 0 else peers_key(RUN_ID)
             # each store replaces our previous entry, so each needs a later expiration than the last
-            stored["signed garbage"] += await dht.store(key, value, dht_time() + 60 + number / 1000,
+            stored["signed garbage"] += await dht.store(key, value, SYSTEM_CLOCK.dht_time() + 60 + number / 1000,
                                                         subkey=validator.local_public_key, return_future=True)
             if number % 50 == 0:
                 await asyncio.sleep(0.2)  # let the peers' views read some of it

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dht.records import ModelSpec, RunSpec
-from dht.registry import dht_time
+from dht.clock import SYSTEM_CLOCK
 from swarm.averaging import StageAverager
 from swarm.stage import Stage
 from swarm.view import SwarmView
@@ -34,7 +34,7 @@ def test_a_round_leaves_replicas_bit_identical_at_the_mean(dht_nodes, client_mod
     ]
     try:
         async def main():
-            at = dht_time() + 3.0
+            at = SYSTEM_CLOCK.dht_time() + 3.0
             stop = asyncio.Event()
             return await asyncio.gather(*(a.run_round(at, stop) for a in averagers))
 

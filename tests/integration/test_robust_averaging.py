@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from hivemind.utils import get_dht_time
 
+from dht.clock import SYSTEM_CLOCK
 from dht.records import ModelSpec, PeerRecord, RunSpec
-from dht.registry import declare_peer, dht_time
+from dht.registry import declare_peer
 from dht.reputation import Reputation
 from swarm.averaging import StageAverager
 from swarm.stage import Stage
@@ -45,7 +47,7 @@ def run_one_round(averagers: list[StageAverager], tries: int = 3) -> list[bool]:
     result False, every averager counted a failed round) is tried again, at most ``tries`` times: the
     claims are about a round that ran."""
     async def main():
-        at = dht_time() + 3.0
+        at = SYSTEM_CLOCK.dht_time() + 3.0
         stop = asyncio.Event()
         return await asyncio.gather(*(a.run_round(at, stop) for a in averagers))
 
@@ -125,7 +127,7 @@ def test_a_pair_in_a_stage_of_three_drops_its_round_and_keeps_its_own_state(dht_
         averager.on_discard = lambda at, size, members: dropped.append((size, members))
     try:
         async def one_round(num_members: int) -> list[bool]:
-            at, stop = dht_time() + 3.0, asyncio.Event()
+            at, stop = SYSTEM_CLOCK.dht_time() + 3.0, asyncio.Event()
             return await asyncio.gather(*(a.run_round(at, stop, num_members=num_members) for a in averagers))
 
         assert asyncio.run(one_round(num_members=3)) == [False, False]  # a third replica exists: dropped
@@ -156,7 +158,7 @@ def test_a_pair_partner_that_pushed_since_their_last_common_state_is_dropped_and
     averagers[0].on_discard = lambda at, size, members: dropped.append((size, members))
 
     async def one_round() -> list[bool]:
-        at, stop = dht_time() + 3.0, asyncio.Event()
+        at, stop = SYSTEM_CLOCK.dht_time() + 3.0, asyncio.Event()
         return await asyncio.gather(*(a.run_round(at, stop, num_members=2) for a in averagers))
 
     try:
@@ -188,16 +190,20 @@ async def announce_all(nodes, view: SwarmView) -> None:
     assert len((await view.refresh())) == 3
 
 
-def pair_round(pair: list[StageAverager], decider: int, tries: int = 3) -> list[bool]:
+def pair_round(pair: list[StageAverager], decider: int, tries: int = 3,
+               before_each: Callable[[], None] = lambda: None) -> list[bool]:
     """One round of ``pair``, each counting the stage's replicas itself. A round that failed for
     ``pair[decider]`` (no group, or an all-reduce cut short on a loaded CI host: it counted a failed
     round and decided nothing) is tried again, at most ``tries`` times: the claims are about what
-    ``pair[decider]`` decides of a round that ran."""
+    ``pair[decider]`` decides of a round that ran. ``before_each`` sets a claim's precondition up
+    again before each try: a failed try takes up to ``allreduce_timeout`` + 8 s, past which a
+    precondition dated by the clock (a replica seen "within ACTIVE_ROUNDS periods") may lapse."""
     async def main():
-        at, stop = dht_time() + 3.0, asyncio.Event()
+        at, stop = SYSTEM_CLOCK.dht_time() + 3.0, asyncio.Event()
         return await asyncio.gather(*(a.run_round(at, stop) for a in pair))
 
     for _ in range(tries):
+        before_each()
         failed_before = pair[decider].num_failed_rounds
         results = asyncio.run(main())
         if pair[decider].num_failed_rounds == failed_before:
@@ -252,10 +258,15 @@ def test_a_newcomer_drops_a_pair_with_anyone_but_the_holder_it_loaded_from(dht_n
 
     try:
         asyncio.run(announce_all(nodes, views[2]))
-        averagers[2].loaded_from([holder_id], dht_time())  # the newcomer loaded the holder's state
+        def just_loaded() -> None:  # the newcomer loaded the holder's state just now
+            averagers[2].loaded_from([holder_id], SYSTEM_CLOCK.dht_time())
+
+        just_loaded()
         assert averagers[2].anchors.anchor(holder_id) == STEPS
         before = flat(stages[2]).clone()
-        kept = pair_round([averagers[1], averagers[2]], decider=1)  # a pair with the other replica
+        # a pair with the other replica; a retried round (CI, load: "could not find a group", then a
+        # try 20 s later) came after the holder's 15 s as an active replica had lapsed, and kept it
+        kept = pair_round([averagers[1], averagers[2]], decider=1, before_each=just_loaded)
         assert kept[1] is False and dropped == [(2, 3)], (kept, dropped)
         assert torch.equal(flat(stages[2]), before), "a dropped round changed the newcomer's state"
     finally:

@@ -15,10 +15,9 @@ from dht.rpc import REQUEST_OUTCOMES, RefusalLog, serve_request
 from dht.wire import ProtocolError
 
 
-def test_refusal_log_writes_a_burst_then_one_line_per_period(caplog, monkeypatch):
+def test_refusal_log_writes_a_burst_then_one_line_per_period(caplog):
     now = [100.0]
-    monkeypatch.setattr(rpc.time, "monotonic", lambda: now[0])
-    log = RefusalLog(period=60.0, burst=3)
+    log = RefusalLog(period=60.0, burst=3, clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="dht.rpc"):
         for number in range(1000):
             log.refused("forward", f"reason {number}")
